@@ -1,0 +1,299 @@
+"""The KIVI storage format: the single source of truth.
+
+Every constant and buffer layout the reference, the cache, the CUDA kernels, the TensorRT plugin and the ONNX
+exporter use comes from here. The C++ side reads `plugins/include/kiviFormat.h`, generated from this module
+(`python -m trtllm_kivi.format --header > plugins/include/kiviFormat.h`); a CPU test fails when they differ.
+
+Layouts (per layer; Hkv = num_kv_heads, D = head_dim, BS = block_size, G = group_size, W = window capacity):
+
+    k_codes   [num_blocks, Hkv, BS // (32 // k_bits), D]  int32   per-channel keys: a word packs 32/k_bits
+                                                                  consecutive tokens of one channel (pack axis: token)
+              [num_blocks, Hkv, BS, D // (32 // k_bits)]  int32   per-token keys (naive control; pack axis: channel)
+    k_scale   [num_blocks, Hkv, BS // G, D]               sz      per channel over G tokens
+              [num_blocks, Hkv, BS, D // Gv]              sz      per-token keys (naive control)
+    k_zero    same as k_scale
+    v_codes   [num_blocks, Hkv, BS, D // (32 // v_bits)]  int32   a word packs 32/v_bits consecutive channels of a token
+    v_scale   [num_blocks, Hkv, BS, D // Gv]              sz      per token over Gv = min(G, D) channels
+    v_zero    same as v_scale
+    k_window  [num_slots, Hkv, W, D]                      act     full-precision window, W = R + G - 1; token t of a
+    v_window  [num_slots, Hkv, W, D]                      act     sequence lives at row t % W (a ring: no shifting)
+    block_table [batch, max_blocks_per_seq]               int32   quantized token t lives in block
+                                                                  block_table[b, t // BS], row t % BS
+
+Words are int32 (TensorRT has no uint32); code i of a word occupies bits [i * bits, (i + 1) * bits) (LSB-first).
+sz = scale/zero dtype (fp16 default), act = activation dtype (fp16 or bf16; fp32 in the CPU reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass
+
+FORMAT_VERSION = 1
+
+SUPPORTED_BITS = (2, 4, 8)
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+SUPPORTED_SCALE_DTYPES = ("float16", "bfloat16", "float32")
+SUPPORTED_KEY_GROUPINGS = ("per_channel", "per_token")
+SUPPORTED_HEAD_DIMS = (64, 128)  # what the kernels instantiate; the torch reference accepts any multiple of 32
+
+WORD_BITS = 32
+WORD_DTYPE = "int32"
+BIT_ORDER = "lsb_first"
+ROUNDING = "half_to_even"
+
+DEFAULT_K_BITS = 2
+DEFAULT_V_BITS = 2
+DEFAULT_GROUP_SIZE = 32
+DEFAULT_RESIDUAL_LENGTH = 128
+DEFAULT_BLOCK_SIZE = 128
+DEFAULT_SCALE_DTYPE = "float16"
+DEFAULT_KEY_GROUPING = "per_channel"
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+# Order of the per-layer quantized-store and window buffers everywhere (op inputs/outputs, plugin, ONNX graph).
+BUFFER_NAMES = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_window", "v_window")
+
+
+def codes_per_word(bits: int) -> int:
+    """Number of `bits`-wide codes in one int32 word."""
+    _check_choice("bits", bits, SUPPORTED_BITS)
+    return WORD_BITS // bits
+
+
+def _check_choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; allowed: {', '.join(map(str, allowed))}")
+
+
+@dataclass(frozen=True)
+class KiviConfig:
+    """Quantization settings of a KIVI cache; validated on construction."""
+
+    k_bits: int = DEFAULT_K_BITS
+    v_bits: int = DEFAULT_V_BITS
+    group_size: int = DEFAULT_GROUP_SIZE
+    residual_length: int = DEFAULT_RESIDUAL_LENGTH
+    block_size: int = DEFAULT_BLOCK_SIZE
+    scale_dtype: str = DEFAULT_SCALE_DTYPE
+    key_grouping: str = DEFAULT_KEY_GROUPING
+
+    def __post_init__(self) -> None:
+        _check_choice("k_bits", self.k_bits, SUPPORTED_BITS)
+        _check_choice("v_bits", self.v_bits, SUPPORTED_BITS)
+        _check_choice("group_size", self.group_size, SUPPORTED_GROUP_SIZES)
+        _check_choice("scale_dtype", self.scale_dtype, SUPPORTED_SCALE_DTYPES)
+        _check_choice("key_grouping", self.key_grouping, SUPPORTED_KEY_GROUPINGS)
+        if not isinstance(self.residual_length, int) or self.residual_length < 0:
+            raise ValueError(f"residual_length={self.residual_length!r} must be an integer >= 0")
+        if (not isinstance(self.block_size, int) or self.block_size <= 0
+                or self.block_size % self.group_size != 0):
+            raise ValueError(f"block_size={self.block_size!r} must be a positive multiple of "
+                             f"group_size={self.group_size}")
+
+    @property
+    def window_capacity(self) -> int:
+        """W = R + G - 1: the most tokens a sequence ever holds in full precision."""
+        return self.residual_length + self.group_size - 1
+
+    def value_group_size(self, head_dim: int) -> int:
+        """Gv = min(G, head_dim): channels per value group."""
+        return min(self.group_size, head_dim)
+
+    def num_quantized(self, seq_len: int) -> int:
+        """n_q(T) = max(0, floor((T - R) / G)) * G: tokens in the quantized store after T tokens."""
+        if seq_len < self.residual_length:
+            return 0
+        return (seq_len - self.residual_length) // self.group_size * self.group_size
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """The torch reference needs whole words and whole value groups per head."""
+        if head_dim <= 0 or head_dim % 32 != 0:
+            raise ValueError(f"head_dim={head_dim} must be a positive multiple of 32")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KiviConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown KiviConfig fields {unknown}; allowed: {sorted(known)}")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Attention geometry of a model: what the cache and the op are shaped by."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name}={v!r} must be a positive integer")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+
+
+# ---------------------------------------------------------------------------------------------- buffer layouts
+
+
+def buffer_shapes(cfg: KiviConfig, num_kv_heads: int, head_dim: int, num_blocks: int,
+                  num_slots: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of one layer's cache buffers, in BUFFER_NAMES order."""
+    cfg.check_head_dim(head_dim)
+    bs, g = cfg.block_size, cfg.group_size
+    gv = cfg.value_group_size(head_dim)
+    kpw, vpw = codes_per_word(cfg.k_bits), codes_per_word(cfg.v_bits)
+    if cfg.key_grouping == "per_channel":
+        k_codes = (num_blocks, num_kv_heads, bs // kpw, head_dim)
+        k_scale = (num_blocks, num_kv_heads, bs // g, head_dim)
+    else:  # per-token keys (naive control) are stored like values
+        k_codes = (num_blocks, num_kv_heads, bs, head_dim // kpw)
+        k_scale = (num_blocks, num_kv_heads, bs, head_dim // gv)
+    w = cfg.window_capacity
+    return {
+        "k_codes": k_codes,
+        "k_scale": k_scale,
+        "k_zero": k_scale,
+        "v_codes": (num_blocks, num_kv_heads, bs, head_dim // vpw),
+        "v_scale": (num_blocks, num_kv_heads, bs, head_dim // gv),
+        "v_zero": (num_blocks, num_kv_heads, bs, head_dim // gv),
+        "k_window": (num_slots, num_kv_heads, w, head_dim),
+        "v_window": (num_slots, num_kv_heads, w, head_dim),
+    }
+
+
+def buffer_dtypes(cfg: KiviConfig, act_dtype: str) -> dict[str, str]:
+    """Dtype names of one layer's cache buffers (act_dtype: float16, bfloat16 or float32)."""
+    _check_choice("act_dtype", act_dtype, SUPPORTED_SCALE_DTYPES)
+    sz = cfg.scale_dtype
+    return {"k_codes": WORD_DTYPE, "k_scale": sz, "k_zero": sz, "v_codes": WORD_DTYPE, "v_scale": sz,
+            "v_zero": sz, "k_window": act_dtype, "v_window": act_dtype}
+
+
+# ---------------------------------------------------------------------------------------------- byte counts
+
+
+def quantized_bytes_per_token(cfg: KiviConfig, num_kv_heads: int, head_dim: int) -> float:
+    """Bytes one token adds to the quantized store of one layer: codes + scales/zeros (K and V)."""
+    sz = DTYPE_BYTES[cfg.scale_dtype]
+    gv = cfg.value_group_size(head_dim)
+    codes = num_kv_heads * head_dim * (cfg.k_bits + cfg.v_bits) / 8
+    if cfg.key_grouping == "per_channel":
+        k_meta = num_kv_heads * head_dim / cfg.group_size * 2 * sz
+    else:
+        k_meta = num_kv_heads * head_dim / gv * 2 * sz
+    v_meta = num_kv_heads * head_dim / gv * 2 * sz
+    return codes + k_meta + v_meta
+
+
+def pure_bits_bytes_per_token(cfg: KiviConfig, num_kv_heads: int, head_dim: int) -> float:
+    """Bytes per token per layer counting only the codes (the 'pure bits' figure, no scales, no window)."""
+    return num_kv_heads * head_dim * (cfg.k_bits + cfg.v_bits) / 8
+
+
+def window_bytes(cfg: KiviConfig, num_kv_heads: int, head_dim: int, act_bytes: int = 2) -> int:
+    """Bytes of one sequence's full-precision window (K and V) in one layer."""
+    return 2 * cfg.window_capacity * num_kv_heads * head_dim * act_bytes
+
+
+def kivi_total_bytes(cfg: KiviConfig, geom: Geometry, seq_len: int, batch: int = 1, act_bytes: int = 2) -> int:
+    """Honest KV bytes for `batch` sequences of `seq_len` tokens: whole blocks of the quantized store for the
+    n_q(seq_len) quantized tokens, plus each sequence's window at full capacity, over all layers."""
+    n_q = cfg.num_quantized(seq_len)
+    blocks = math.ceil(n_q / cfg.block_size)
+    per_block = quantized_bytes_per_token(cfg, geom.num_kv_heads, geom.head_dim) * cfg.block_size
+    per_layer_seq = blocks * per_block + window_bytes(cfg, geom.num_kv_heads, geom.head_dim, act_bytes)
+    return int(round(geom.num_layers * batch * per_layer_seq))
+
+
+def dense_bytes_per_token(geom: Geometry, bytes_per_element: float) -> float:
+    """2 x layers x kv_heads x head_dim x bytes: an unquantized cache (FP16: 2 bytes, FP8: 1 byte)."""
+    return 2 * geom.num_layers * geom.num_kv_heads * geom.head_dim * bytes_per_element
+
+
+# ---------------------------------------------------------------------------------------------- C header
+
+
+def c_header() -> str:
+    """The C/C++ view of this module (plugins/include/kiviFormat.h)."""
+    bits = ", ".join(map(str, SUPPORTED_BITS))
+    groups = ", ".join(map(str, SUPPORTED_GROUP_SIZES))
+    dims = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
+    lines = [
+        "// Generated by `python -m trtllm_kivi.format --header` from trtllm_kivi/format.py. Do not edit:",
+        "// tests/test_format.py fails when this file and format.py disagree.",
+        "#pragma once",
+        "#include <cstdint>",
+        "",
+        "namespace trtllm_kivi",
+        "{",
+        f"constexpr int32_t kFORMAT_VERSION = {FORMAT_VERSION};",
+        f"constexpr int32_t kWORD_BITS = {WORD_BITS}; // int32 words, LSB-first: code i at bits [i*b, (i+1)*b)",
+        f"constexpr int32_t kSUPPORTED_BITS[] = {{{bits}}};",
+        f"constexpr int32_t kSUPPORTED_GROUP_SIZES[] = {{{groups}}};",
+        f"constexpr int32_t kSUPPORTED_HEAD_DIMS[] = {{{dims}}};",
+        f"constexpr int32_t kDEFAULT_K_BITS = {DEFAULT_K_BITS};",
+        f"constexpr int32_t kDEFAULT_V_BITS = {DEFAULT_V_BITS};",
+        f"constexpr int32_t kDEFAULT_GROUP_SIZE = {DEFAULT_GROUP_SIZE};",
+        f"constexpr int32_t kDEFAULT_RESIDUAL_LENGTH = {DEFAULT_RESIDUAL_LENGTH};",
+        f"constexpr int32_t kDEFAULT_BLOCK_SIZE = {DEFAULT_BLOCK_SIZE};",
+        "",
+        "// Scale/zero dtype codes (plugin field `scale_dtype`).",
+    ]
+    for i, name in enumerate(SUPPORTED_SCALE_DTYPES):
+        lines.append(f"constexpr int32_t kSCALE_DTYPE_{name.upper()} = {i};")
+    lines.append("// Key grouping codes (plugin field `key_grouping`).")
+    for i, name in enumerate(SUPPORTED_KEY_GROUPINGS):
+        lines.append(f"constexpr int32_t kKEY_GROUPING_{name.upper()} = {i};")
+    lines.append("// Buffer order of the op's cache inputs/outputs.")
+    for i, name in enumerate(BUFFER_NAMES):
+        lines.append(f"constexpr int32_t kBUFFER_{name.upper()} = {i};")
+    lines += [
+        f"constexpr int32_t kNUM_BUFFERS = {len(BUFFER_NAMES)};",
+        "",
+        "constexpr int32_t codesPerWord(int32_t bits) { return kWORD_BITS / bits; }",
+        "// W = R + G - 1; token t of a sequence lives at window row t % W.",
+        "constexpr int32_t windowCapacity(int32_t residualLength, int32_t groupSize)",
+        "{",
+        "    return residualLength + groupSize - 1;",
+        "}",
+        "// n_q(T) = max(0, floor((T - R) / G)) * G",
+        "constexpr int32_t numQuantized(int32_t seqLen, int32_t residualLength, int32_t groupSize)",
+        "{",
+        "    return seqLen < residualLength ? 0 : (seqLen - residualLength) / groupSize * groupSize;",
+        "}",
+        "constexpr int32_t valueGroupSize(int32_t groupSize, int32_t headDim)",
+        "{",
+        "    return groupSize < headDim ? groupSize : headDim;",
+        "}",
+        "} // namespace trtllm_kivi",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--header", action="store_true", help="print the generated C header")
+    args = p.parse_args(argv)
+    if args.header:
+        sys.stdout.write(c_header())
+        return 0
+    print(f"FORMAT_VERSION={FORMAT_VERSION}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
