@@ -1,0 +1,1 @@
+"""Subcommands of the trtllm-kivi CLI (see trtllm_kivi/cli.py)."""

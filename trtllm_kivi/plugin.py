@@ -1,0 +1,83 @@
+"""The KiviAttention TensorRT plugin as Python sees it: identity, the one field list (ONNX node attributes =
+TensorRT plugin fields) and the library loader.
+
+The same fields, in the same order, are what the C++ creator parses at build time and what the plugin serializes
+(getFieldsToSerialize); plugins/kiviAttentionPlugin/fields.json is the machine-readable copy a CPU test checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .format import (FORMAT_VERSION, SUPPORTED_KEY_GROUPINGS, SUPPORTED_SCALE_DTYPES, Geometry, KiviConfig)
+
+PLUGIN_NAME = "KiviAttention"
+PLUGIN_VERSION = "1"
+PLUGIN_NAMESPACE = "trtllm_kivi"
+
+
+@dataclass(frozen=True)
+class PluginField:
+    name: str
+    doc: str
+
+
+# Every field is an int32 scalar (kINT32, length 1). Order is the serialization order.
+FIELDS = (
+    PluginField("num_heads", "query heads H"),
+    PluginField("num_kv_heads", "KV heads Hkv (H % Hkv == 0)"),
+    PluginField("head_dim", "channels per head D"),
+    PluginField("k_bits", "bits per key code"),
+    PluginField("v_bits", "bits per value code"),
+    PluginField("group_size", "G: tokens per key group, channels per value group (min(G, D))"),
+    PluginField("residual_length", "R: minimum full-precision window"),
+    PluginField("block_size", "tokens per block of the quantized store"),
+    PluginField("scale_dtype", "scale/zero dtype code: " + ", ".join(
+        f"{i}={n}" for i, n in enumerate(SUPPORTED_SCALE_DTYPES))),
+    PluginField("key_grouping", "key grouping code: " + ", ".join(
+        f"{i}={n}" for i, n in enumerate(SUPPORTED_KEY_GROUPINGS))),
+    PluginField("format_version", "storage format version the engine was built for"),
+)
+FIELD_NAMES = tuple(f.name for f in FIELDS)
+
+
+def plugin_fields(cfg: KiviConfig, num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, int]:
+    """KiviConfig + geometry -> plugin fields / ONNX node attributes (all int32), in FIELDS order."""
+    Geometry(1, num_heads, num_kv_heads, head_dim)  # validates the geometry
+    cfg.check_head_dim(head_dim)
+    return {
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "k_bits": cfg.k_bits,
+        "v_bits": cfg.v_bits,
+        "group_size": cfg.group_size,
+        "residual_length": cfg.residual_length,
+        "block_size": cfg.block_size,
+        "scale_dtype": SUPPORTED_SCALE_DTYPES.index(cfg.scale_dtype),
+        "key_grouping": SUPPORTED_KEY_GROUPINGS.index(cfg.key_grouping),
+        "format_version": FORMAT_VERSION,
+    }
+
+
+def config_from_fields(fields: dict[str, int]) -> tuple[KiviConfig, int, int, int]:
+    """Inverse of plugin_fields -> (cfg, num_heads, num_kv_heads, head_dim); refuses missing/unknown fields and a
+    format version other than this package's."""
+    missing = [n for n in FIELD_NAMES if n not in fields]
+    unknown = sorted(set(fields) - set(FIELD_NAMES))
+    if missing or unknown:
+        raise ValueError(f"KiviAttention fields: missing {missing}, unknown {unknown}; expected {list(FIELD_NAMES)}")
+    if fields["format_version"] != FORMAT_VERSION:
+        raise ValueError(f"KiviAttention format_version={fields['format_version']} does not match this build's "
+                         f"FORMAT_VERSION={FORMAT_VERSION}")
+    for name, allowed in (("scale_dtype", SUPPORTED_SCALE_DTYPES), ("key_grouping", SUPPORTED_KEY_GROUPINGS)):
+        if not 0 <= fields[name] < len(allowed):
+            raise ValueError(f"{name}={fields[name]} is not supported; allowed: 0..{len(allowed) - 1} "
+                             f"({', '.join(allowed)})")
+    cfg = KiviConfig(k_bits=fields["k_bits"], v_bits=fields["v_bits"], group_size=fields["group_size"],
+                     residual_length=fields["residual_length"], block_size=fields["block_size"],
+                     scale_dtype=SUPPORTED_SCALE_DTYPES[fields["scale_dtype"]],
+                     key_grouping=SUPPORTED_KEY_GROUPINGS[fields["key_grouping"]])
+    Geometry(1, fields["num_heads"], fields["num_kv_heads"], fields["head_dim"])
+    cfg.check_head_dim(fields["head_dim"])
+    return cfg, fields["num_heads"], fields["num_kv_heads"], fields["head_dim"]
