@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import numbers
 import sys
 from dataclasses import dataclass
 
@@ -66,7 +67,9 @@ def codes_per_word(bits: int) -> int:
 
 
 def _check_choice(name: str, value, allowed) -> None:
-    if value not in allowed:
+    # 2.0 == 2 and True == 1 would pass `in` and break the integer layout arithmetic later
+    bad_type = isinstance(value, bool) or (isinstance(allowed[0], int) and not isinstance(value, numbers.Integral))
+    if bad_type or value not in allowed:
         raise ValueError(f"{name}={value!r} is not supported; allowed: {', '.join(map(str, allowed))}")
 
 
@@ -114,6 +117,9 @@ class KiviConfig:
         """The torch reference needs whole words and whole value groups per head."""
         if head_dim <= 0 or head_dim % 32 != 0:
             raise ValueError(f"head_dim={head_dim} must be a positive multiple of 32")
+        if head_dim % self.value_group_size(head_dim) != 0:  # e.g. D=96 with G=64: no whole value groups
+            raise ValueError(f"head_dim={head_dim} must be a multiple of group_size={self.group_size} when larger "
+                             f"than it (value groups are min(G, head_dim) channels)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
