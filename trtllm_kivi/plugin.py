@@ -7,7 +7,10 @@ The same fields, in the same order, are what the C++ creator parses at build tim
 
 from __future__ import annotations
 
+import ctypes
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from .format import (FORMAT_VERSION, SUPPORTED_KEY_GROUPINGS, SUPPORTED_SCALE_DTYPES, Geometry, KiviConfig)
 
@@ -81,3 +84,54 @@ def config_from_fields(fields: dict[str, int]) -> tuple[KiviConfig, int, int, in
     Geometry(1, fields["num_heads"], fields["num_kv_heads"], fields["head_dim"])
     cfg.check_head_dim(fields["head_dim"])
     return cfg, fields["num_heads"], fields["num_kv_heads"], fields["head_dim"]
+
+
+# ---------------------------------------------------------------------------------------------- plugin library
+
+PLUGIN_LIBRARY_NAME = "libtrtllm_kivi_plugin.so"
+PLUGIN_LIBRARY_ENV = "TRTLLM_KIVI_PLUGIN_LIB"
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def plugin_library_candidates() -> list[Path]:
+    """Where find_plugin_library looks, in order: $TRTLLM_KIVI_PLUGIN_LIB, build_scripts/build_plugin.sh's default
+    build directory, a library packaged next to this module."""
+    paths = []
+    if os.environ.get(PLUGIN_LIBRARY_ENV):
+        paths.append(Path(os.environ[PLUGIN_LIBRARY_ENV]))
+    paths.append(_REPO_ROOT / "build" / "plugins" / PLUGIN_LIBRARY_NAME)
+    paths.append(Path(__file__).resolve().parent / "lib" / PLUGIN_LIBRARY_NAME)
+    return paths
+
+
+def find_plugin_library(path: str | os.PathLike | None = None) -> Path:
+    """The KiviAttention plugin library: `path` if given, else the first of plugin_library_candidates() that
+    exists. Raises FileNotFoundError naming every searched path."""
+    searched = [Path(path)] if path is not None else plugin_library_candidates()
+    for p in searched:
+        if p.is_file():
+            return p
+    raise FileNotFoundError(
+        f"{PLUGIN_LIBRARY_NAME} not found; searched: {', '.join(map(str, searched))}. Build it with "
+        f"`build_scripts/build_plugin.sh --tensorrt-root DIR` (needs TensorRT headers) or set {PLUGIN_LIBRARY_ENV}")
+
+
+def load_plugin_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
+    """Load the plugin library (ctypes, RTLD_GLOBAL) and check its FORMAT_VERSION.
+
+    If TensorRT is in the process (the tensorrt module, or libnvinfer), the library registers its creator on load;
+    `import tensorrt` is attempted first for that. Engines loaded through IPluginRegistry::loadLibrary (trtexec
+    --dynamicPlugins) use the library's getCreators instead and do not need this function."""
+    lib_path = find_plugin_library(path)
+    try:
+        import tensorrt  # noqa: F401  (loads libnvinfer first, so the library's load-time registration finds it)
+    except ImportError:
+        pass  # without TensorRT the library still loads (nothing to register with)
+    lib = ctypes.CDLL(str(lib_path), mode=ctypes.RTLD_GLOBAL)
+    lib.kiviGetFormatVersion.restype = ctypes.c_int32
+    lib.kiviGetFormatVersion.argtypes = []
+    version = lib.kiviGetFormatVersion()
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{lib_path} was built for FORMAT_VERSION={version} but this trtllm_kivi uses "
+                         f"FORMAT_VERSION={FORMAT_VERSION}; rebuild it with build_scripts/build_plugin.sh")
+    return lib
