@@ -80,7 +80,7 @@ def test_stop_string(tiny, capsys):
 
 @pytest.mark.parametrize("argv,match", [
     (["--kv", "int4"], "--kv 'int4' is not a KV cache spec"),
-    (["--engine", "build/x"], "--engine build/x: running a built engine is not available yet"),
+    (["--engine", "build/x"], "build/x is not a trtllm-kivi build folder (no build_config.json)"),
     (["--temperature", "-1"], "temperature=-1.0 must be >= 0"),
     (["--model", "/nonexistent/model"], "neither a built-in name"),
     (["--device", "gpu0"], "--device 'gpu0' is not a torch device"),

@@ -11,6 +11,7 @@ import time
 import torch
 
 from .. import format as fmt
+from ..format import KiviConfig
 from ..models import DEFAULT_MODEL, load_model
 from ..runtime.base import Runner
 from ..runtime.generate import SamplingParams, TextStream, generate
@@ -23,7 +24,10 @@ HELP = "generate text with the built-in model (or a .gguf / Hugging Face folder)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"built-in name, .gguf file or Hugging Face checkpoint "
                    f"folder (default: {DEFAULT_MODEL})")
-    p.add_argument("--engine", metavar="DIR", help="run a folder made by `trtllm-kivi build` (not available yet)")
+    p.add_argument("--engine", metavar="DIR", help="run a folder made by `trtllm-kivi build` (TensorRT engine on a "
+                   "GPU when possible, else its ONNX graph with onnxruntime on the CPU)")
+    p.add_argument("--runner", default="auto", choices=["auto", "tensorrt", "onnxruntime"],
+                   help="runner for --engine (default auto: tensorrt when the folder, library and GPU allow)")
     p.add_argument("--prompt", action="append", required=True,
                    help="prompt text; repeat for a batch (each prompt is its own sequence)")
     p.add_argument("--chat", action="store_true", help="send each prompt as a user message through the model's "
@@ -49,6 +53,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def make_runner(args: argparse.Namespace, model, max_slots: int, max_seq_len: int) -> Runner:
     """The runner for the command: the torch runner over the chosen KV cache. Runner selection from a build folder
     (--engine DIR) belongs here."""
+    if args.engine:  # a build folder: the runner it and this machine allow (runtime/select.py)
+        from ..runtime.select import load_runner
+
+        runner, why = load_runner(args.engine, prefer=args.runner)
+        if max_slots > runner.max_slots or max_seq_len > runner.max_seq_len:
+            raise ValueError(f"{max_slots} prompts of up to {max_seq_len} tokens exceed the build's maxima "
+                             f"(max batch {runner.max_slots}, max seq len {runner.max_seq_len}); rebuild with larger")
+        print(f"[runner] {why}", file=sys.stderr)
+        return runner
     from ..runtime.torch_runner import TorchRunner
 
     cache = kv_from_args(args).make_cache(model.cfg.geometry, max_slots, max_seq_len, model.dtype, args.device)
@@ -60,9 +73,6 @@ def _mib(n: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.engine:  # hook: the builder's runner selection from a build folder goes here and in make_runner
-        raise ValueError(f"--engine {args.engine}: running a built engine is not available yet; omit --engine to "
-                         f"run the PyTorch model")
     kv = kv_from_args(args)  # validate the options before the model load
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop_strings=tuple(args.stop))
@@ -79,7 +89,19 @@ def run(args: argparse.Namespace) -> int:
     if args.dtype is None:
         args.dtype = "float32" if device.type == "cpu" else "float16"
     t0 = time.perf_counter()
-    model, tok, cfg = load_model(args.model, args.dtype, args.device)
+    if args.engine:  # the build folder brings its tokenizer and config; make_runner opens its graph/engine
+        from ..runtime.select import BuildFolder
+
+        folder = BuildFolder.open(args.engine)
+        model, tok, cfg = None, folder.tokenizer(), folder.model_config()
+        kivi = KiviConfig.from_dict(folder.config["kivi_config"])
+        name = f"kivi{kivi.k_bits}" if kivi.k_bits == kivi.v_bits else f"k{kivi.k_bits}v{kivi.v_bits}"
+        kv = dataclasses.replace(kv, name=name, kivi=kivi)
+        # onnxruntime runs the graph's fp32 copy; the engine runs the build dtype
+        trt_ok = args.runner != "onnxruntime" and folder.tensorrt_unavailable() is None
+        args.dtype = folder.config["dtype"] if trt_ok else "float32"
+    else:
+        model, tok, cfg = load_model(args.model, args.dtype, args.device)
     load_s = time.perf_counter() - t0
     params = dataclasses.replace(params, stop_token_ids=tuple(tok.eos_ids or cfg.eos_token_ids))
     if args.chat:
@@ -136,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
           f"{new / (t2 - t1):.1f} tokens/s overall, first token after {ttft:.2f} s"
           + (f", decode {decode / (t2 - first[0]):.1f} tokens/s" if first and decode > 0 and t2 > first[0] else ""))
     fp16 = fmt.dense_bytes_per_token(cfg.geometry, 2) * runner.max_seq_len * runner.max_slots
-    window = f", {model.dtype} window" if kv.quantized else ""
+    window = f", {model.dtype if model is not None else args.dtype} window" if kv.quantized else ""
     print(f"[memory] KV cache allocated: {runner.kv_nbytes} bytes ({_mib(runner.kv_nbytes)}) for "
           f"{runner.max_slots} x {runner.max_seq_len} tokens{window}; FP16 cache of the same shapes: {int(fp16)} "
           f"bytes ({_mib(fp16)}); allocated / FP16 = {runner.kv_nbytes / fp16:.2f}")

@@ -1,0 +1,77 @@
+"""`trtllm-kivi build`: compile a Llama checkpoint into a build folder: an ONNX graph whose attentions are
+KiviAttention nodes (+ external weights, tokenizer, build config), checked on the CPU with onnxruntime against the
+torch runtime, and a TensorRT engine when TensorRT and the plugin library are present."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from ..builder.build import BuildOptions, build
+from ..builder.onnx_export import SUPPORTED_DTYPES
+from ..models import DEFAULT_MODEL
+from ..runtime.kvspec import add_kv_arguments, kv_from_args
+
+NAME = "build"
+HELP = "compile a Llama checkpoint into an ONNX graph with KiviAttention nodes (+ TensorRT engine when available)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"built-in name, .gguf file or Hugging Face checkpoint "
+                   f"folder (default: {DEFAULT_MODEL})")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="build folder to write")
+    p.add_argument("--dtype", default="float16", choices=SUPPORTED_DTYPES,
+                   help="activation dtype of the graph/engine (default float16)")
+    p.add_argument("--max-batch-size", type=int, default=4, help="sequences per step = cache slots (default 4)")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--max-num-tokens", type=int, help="tokens per step, all sequences (default: --max-seq-len)")
+    p.add_argument("--check-steps", type=int, default=64, help="decode steps of the onnxruntime check against "
+                   "the torch runtime (default 64; 0 skips the check)")
+    p.add_argument("--plugin-lib", help="KiviAttention plugin library for the engine (default: "
+                   "$TRTLLM_KIVI_PLUGIN_LIB or build/plugins/)")
+    p.add_argument("--force", action="store_true", help="replace an existing different build in DIR")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_kv_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    kv = kv_from_args(args)
+    if kv.kivi is None:
+        raise ValueError(f"--kv {args.kv}: a build needs a KIVI cache (kivi2, kivi4, k4v2, ...); unquantized caches "
+                         f"have no KiviAttention plugin")
+    opts = BuildOptions(output=Path(args.output), model=args.model, kivi=kv.kivi, dtype=args.dtype,
+                        max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                        max_num_tokens=args.max_num_tokens, force=args.force, check_steps=args.check_steps,
+                        plugin_lib=args.plugin_lib)
+    # SIGTERM -> SystemExit, so the build's cleanup runs and no half-written folder is left.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        cfg = build(opts, progress=not args.quiet)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    out = Path(args.output)
+    print(f"[build] {out}: {kv.describe()}, {cfg['dtype']} graph, max batch {cfg['maxima']['max_batch_size']}, "
+          f"max seq len {cfg['maxima']['max_seq_len']}, max tokens/step {cfg['maxima']['max_num_tokens']}")
+    for name in sorted(p.name for p in out.iterdir()):
+        print(f"  {name:24s} {(out / name).stat().st_size:>12,d} bytes")
+    chk = cfg["check"]
+    if chk.get("skipped"):
+        print("[check] skipped (--check-steps 0)")
+    else:
+        print(f"[check] onnxruntime vs torch runtime over a prefill of {chk['prefill_tokens']} tokens + "
+              f"{chk['decode_steps']} decode steps (fp32 copy of the graph, weights rounded to {cfg['dtype']}): "
+              f"max |logit diff| {chk['max_logit_diff']:.3g} (prefill {chk['max_logit_diff_prefill']:.3g}, decode "
+              f"{chk['max_logit_diff_decode']:.3g}; logits up to {chk['max_logit_abs']:.3g}), greedy agreement "
+              f"{chk['greedy_agreement']:.0%}, cache: {chk['code_words_differing']}/{chk['code_words']} code words "
+              f"differ, scale/zero rel. diff {chk['scale_zero_rel_diff']:.3g}, window rel. diff "
+              f"{chk['window_rel_diff']:.3g}, quantized tokens {chk['quantized_tokens']}: "
+              f"{'PASSED' if chk['passed'] else 'FAILED'} (tolerance {chk['tolerances']['logit_atol']})")
+    eng = cfg["engine"]
+    if eng["built"]:
+        print(f"[engine] {out / eng['engine']} ({eng['bytes']:,d} bytes, TensorRT {eng['tensorrt']}, plugin embedded)")
+    else:
+        print(f"[engine] not built: {eng['reason']}. To build it on a TensorRT machine:\n  {eng['trtexec']}")
+    print(f"[run] trtllm-kivi run --engine {out} --prompt \"...\"")
+    return 0

@@ -1,0 +1,125 @@
+"""The TensorRT runner: a build folder's engine on a GPU. The runner owns the cache: a KiviCache allocated on the GPU
+with torch (the same slot/block bookkeeping as the other runners), whose buffers are bound to the engine's past.*
+inputs and, aliased, to its present.* outputs, so the KiviAttention plugin updates them in place. An engine that
+does not report an output as aliased to its input gets a second set of buffers instead, swapped after each step.
+
+Written against TensorRT 11's Python API (ICudaEngine / IExecutionContext with named I/O tensors and
+execute_async_v3); not run on any machine of this project (no TensorRT here): the tests are marked `trt`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..builder.onnx_export import ExportSpec, cache_io_names
+from ..cache import KiviCache
+from ..format import FORMAT_VERSION, Geometry, KiviConfig
+from ..reference.attention import KiviBuffers
+from .base import Runner
+from .ort_runner import check_tokens
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class TrtRunner(Runner):
+    """Runner over DIR/model.engine (built by `trtllm-kivi build` with TensorRT present)."""
+
+    name = "tensorrt"
+
+    def __init__(self, build_dir: str | Path, device: str = "cuda", plugin_lib: str | None = None) -> None:
+        import tensorrt as trt
+
+        build_dir = Path(build_dir)
+        conf = json.loads((build_dir / "build_config.json").read_text())
+        if conf["format_version"] != FORMAT_VERSION:
+            raise ValueError(f"{build_dir}: engine format_version={conf['format_version']} does not match this "
+                             f"package's FORMAT_VERSION={FORMAT_VERSION}; rebuild it")
+        if not conf["files"].get("engine"):
+            raise ValueError(f"{build_dir} has no engine (built without TensorRT): {conf['engine'].get('reason')}")
+        if not torch.cuda.is_available():
+            raise ValueError("the TensorRT runner needs a CUDA GPU; torch.cuda.is_available() is False")
+        self.cfg = KiviConfig.from_dict(conf["kivi_config"])
+        self.geom = Geometry(**conf["geometry"])
+        m = conf["maxima"]
+        self.spec = ExportSpec(conf["dtype"], m["max_batch_size"], m["max_seq_len"], m["max_num_tokens"])
+        self.vocab_size = conf["model"]["config"]["vocab_size"]
+        self.max_slots, self.max_seq_len = self.spec.max_batch_size, self.spec.max_seq_len
+        self.device = torch.device(device)
+
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        self._runtime.engine_host_code_allowed = True  # the plugin library is embedded in the engine
+        if plugin_lib:  # a library given explicitly (e.g. an engine built without embedding) is registered too
+            self._runtime.get_plugin_registry().load_library(str(plugin_lib))
+        self.engine = self._runtime.deserialize_cuda_engine((build_dir / conf["files"]["engine"]).read_bytes())
+        if self.engine is None:
+            raise RuntimeError(f"TensorRT could not deserialize {build_dir / conf['files']['engine']} (see the log "
+                               f"above; a TensorRT older than the builder's, or a missing KiviAttention plugin)")
+        self.context = self.engine.create_execution_context()
+        self.stream = torch.cuda.Stream(self.device)
+
+        self.cache = KiviCache(self.cfg, self.geom, self.max_slots, self.max_seq_len, dtype=_DTYPES[conf["dtype"]],
+                               device=self.device, num_blocks=m["num_blocks"])
+        # Aliased outputs share their input's buffer; others get a second buffer set (ping-pong).
+        get_alias = getattr(self.engine, "get_aliased_input_tensor", lambda name: None)
+        self._aliased = all(get_alias(pr) == pa for layer in range(self.geom.num_layers)
+                            for pa, pr in zip(*cache_io_names(layer)))
+        self._spare = None if self._aliased else [
+            KiviBuffers(*(torch.empty_like(t) for t in bufs)) for bufs in self.cache.layers]
+
+    def add_sequence(self) -> int:
+        return self.cache.add_sequence()
+
+    def free_sequence(self, slot: int) -> None:
+        self.cache.free_sequence(slot)
+
+    def seq_len(self, slot: int) -> int:
+        return self.cache.seq_len(slot)
+
+    @property
+    def free_slots(self) -> int:
+        return self.cache.free_slots
+
+    @property
+    def kv_nbytes(self) -> int:
+        spare = 0 if self._spare is None else sum(t.numel() * t.element_size() for b in self._spare for t in b)
+        return self.cache.nbytes + spare
+
+    def _bind(self, name: str, t: torch.Tensor, input_shape: bool = False) -> None:
+        if input_shape and not self.context.set_input_shape(name, tuple(t.shape)):
+            raise ValueError(f"input {name} shape {tuple(t.shape)} is outside the engine's optimization profile")
+        self.context.set_tensor_address(name, t.data_ptr())
+
+    def step(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], all_logits: bool = False) -> torch.Tensor:
+        check_tokens(self, slots, tokens, self.spec.max_num_tokens)
+        chunk = [len(t) for t in tokens]
+        st = self.cache.begin_step(list(slots), chunk)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        ids = torch.tensor([t for seq in tokens for t in seq], **i32)  # [T]
+        positions = torch.cat([torch.arange(p, p + c, **i32) for p, c in zip(st.past, chunk)])  # [T]
+        rows = (torch.arange(len(ids), **i32) if all_logits
+                else torch.tensor(chunk, **i32).cumsum(0, dtype=torch.int32) - 1)  # [B] or [T]
+        inputs = {"input_ids": ids, "positions": positions, "slot_ids": st.slot_ids, "past_len": st.past_len,
+                  "chunk_len": st.chunk_len, "block_table": st.block_table.contiguous(), "logit_rows": rows}
+        for name, t in inputs.items():
+            self._bind(name, t, input_shape=True)
+        for layer, bufs in enumerate(self.cache.layers):
+            past, present = cache_io_names(layer)
+            outs = bufs if self._spare is None else self._spare[layer]
+            for pa, pr, t, o in zip(past, present, bufs, outs):
+                self._bind(pa, t, input_shape=True)
+                self._bind(pr, o)
+        logits = torch.empty((len(rows), self.vocab_size), dtype=torch.float32, device=self.device)
+        self._bind("logits", logits)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # inputs were made on the current stream
+        if not self.context.execute_async_v3(self.stream.cuda_stream):
+            raise RuntimeError("TensorRT execute_async_v3 failed (see the log above)")
+        self.stream.synchronize()
+        if self._spare is not None:  # the outputs are the new state
+            self.cache.layers, self._spare = self._spare, self.cache.layers
+        self.cache.end_step(st)
+        return logits
