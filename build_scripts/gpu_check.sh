@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# One-command GPU check of the KIVI kernels on a bare GPU machine (nvcc, cmake, python3 with torch + pytest + numpy):
+#   1. build the kernel library for this GPU's arch only (nvidia-smi, else torch), with ptxas register/spill info;
+#   2. run the GPU tests (tests/test_kernels_gpu.py) and the CPU model tests;
+#   3. run the kernel benchmark (benchmarks/bench_kernels.py);
+#   4. write $OUT/gpu_check.json (summary) next to build.log, tests.log, junit XML and bench_kernels.json.
+# Usage: build_scripts/gpu_check.sh [--quick]    ($OUT defaults to build/gpu_check; total budget ~5 minutes;
+#        $PYTHON picks the interpreter, $KIVI_GPU_ARCH overrides the detected arch)
+# Exit status: nonzero when the build or a test fails (the benchmark's goals are reported, not enforced).
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="${OUT:-${ROOT}/build/gpu_check}"
+QUICK=""
+[[ "${1:-}" == "--quick" ]] && QUICK="--quick"
+mkdir -p "${OUT}"
+cd "${ROOT}"
+export PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
+PY="${PYTHON:-python3}"
+T0=$(date +%s)
+
+ARCH="${KIVI_GPU_ARCH:-}"  # override (e.g. to dry-run the script on a machine without a GPU)
+if [[ -z "${ARCH}" ]]; then
+  ARCH="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' .')"
+fi
+if [[ -z "${ARCH}" ]]; then
+  ARCH="$(${PY} -c 'import torch; a, b = torch.cuda.get_device_capability(); print(f"{a}{b}")' 2>/dev/null)"
+fi
+if [[ -z "${ARCH}" ]]; then
+  echo "gpu_check.sh: cannot detect the GPU arch (nvidia-smi and torch both failed)" >&2
+  ARCH="unknown"
+fi
+echo "gpu_check.sh: arch sm_${ARCH}, output ${OUT}"
+
+build_rc=1
+if [[ "${ARCH}" != "unknown" ]]; then
+  timeout 150 "${ROOT}/build_scripts/build_plugin.sh" --arch "${ARCH}" --build-dir "${ROOT}/build/plugins" \
+    --ptxas-verbose >"${OUT}/build.log" 2>&1
+  build_rc=$?
+fi
+T1=$(date +%s)
+echo "gpu_check.sh: build rc=${build_rc} in $((T1 - T0)) s"
+
+tests_rc=1
+if [[ ${build_rc} -eq 0 ]]; then
+  timeout 150 ${PY} -m pytest -p no:cacheprovider -q tests/test_kernels_gpu.py \
+    --junitxml="${OUT}/gpu_tests.xml" >"${OUT}/tests.log" 2>&1
+  tests_rc=$?
+fi
+T2=$(date +%s)
+echo "gpu_check.sh: gpu tests rc=${tests_rc} in $((T2 - T1)) s"; tail -n 5 "${OUT}/tests.log" 2>/dev/null
+
+bench_rc=1
+if [[ ${build_rc} -eq 0 ]]; then
+  LEFT=$(( 290 - (T2 - T0) ))
+  BUDGET=$(( LEFT > 60 ? LEFT - 40 : 20 ))
+  timeout $(( BUDGET + 30 )) ${PY} benchmarks/bench_kernels.py ${QUICK} --time-budget "${BUDGET}" \
+    --out "${OUT}/bench_kernels.json" >"${OUT}/bench.log" 2>&1
+  bench_rc=$?
+fi
+T3=$(date +%s)
+echo "gpu_check.sh: bench rc=${bench_rc} in $((T3 - T2)) s"; tail -n 25 "${OUT}/bench.log" 2>/dev/null
+
+${PY} - "${OUT}" "${ARCH}" "${build_rc}" "${tests_rc}" "${bench_rc}" \
+  "$((T1 - T0))" "$((T2 - T1))" "$((T3 - T2))" <<'PYEOF'
+import json, sys, re
+from pathlib import Path
+import xml.etree.ElementTree as ET
+out, arch, b, t, bench, tb, tt, tbench = sys.argv[1:]
+out = Path(out)
+summary = {"arch": arch, "build_rc": int(b), "tests_rc": int(t), "bench_rc": int(bench),
+           "seconds": {"build": int(tb), "tests": int(tt), "bench": int(tbench)}}
+log = (out / "build.log").read_text(errors="replace") if (out / "build.log").exists() else ""
+summary["ptxas"] = [line.strip() for line in log.splitlines()
+                    if "registers" in line or "spill" in line or "Compiling entry" in line][-64:]
+junit = out / "gpu_tests.xml"
+if junit.exists():
+    root = ET.parse(junit).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    summary["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    summary["failed"] = [c.get("classname", "") + "::" + c.get("name", "") for c in suite.iter("testcase")
+                         if c.find("failure") is not None or c.find("error") is not None]
+bench_json = out / "bench_kernels.json"
+if bench_json.exists():
+    rep = json.loads(bench_json.read_text())
+    summary["bench"] = {"copy_gbps": rep["copy"]["gbps"], "goals": rep.get("goals"),
+                        "quantize_gbps": rep.get("quantize", {}).get("gbps"), "file": str(bench_json)}
+(out / "gpu_check.json").write_text(json.dumps(summary, indent=1))
+print(json.dumps({k: v for k, v in summary.items() if k != "ptxas"}, indent=1))
+PYEOF
+T4=$(date +%s)
+echo "gpu_check.sh: total $((T4 - T0)) s"
+[[ ${build_rc} -eq 0 && ${tests_rc} -eq 0 ]]

@@ -1,0 +1,35 @@
+/*
+ * KIVI kernels: a small C ABI over the launchers, loaded with ctypes (trtllm_kivi/cuda/). Plain ints and pointers.
+ * Every call returns 0 on success, else a nonzero code (a cudaError_t value) with a message in
+ * kiviCLastErrorMessage(). `stream` is a cudaStream_t (torch.cuda.current_stream().cuda_stream).
+ */
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C"
+{
+#endif
+
+//! sizeof(KiviStepParams): the ctypes mirror checks it.
+size_t kiviCParamsSize(void);
+//! FORMAT_VERSION the library was built for.
+int32_t kiviCFormatVersion(void);
+//! 0 when params (a KiviStepParams*) are valid for `phase` (1 attention, 2 append, 3 step); else -1 + message.
+int32_t kiviCValidate(void const* params, int32_t phase);
+//! Launch plan fields as int64 [windowCapacity, maxSeqLen, maxChunkLen, groupHeads, tileTokens, numTiles, splitLen,
+//! numSplits, flushGroupsPerSeq, seqInfoBytes, partialBytes, workspaceSize] into out[12].
+int32_t kiviCLaunchPlan(void const* params, int64_t* out);
+size_t kiviCWorkspaceSize(void const* params);
+char const* kiviCLastErrorMessage(void);
+
+//! Launchers (need the CUDA library, not the host-only one).
+int32_t kiviCStep(void const* params, void* stream);
+int32_t kiviCAttention(void const* params, void* stream);
+int32_t kiviCAppend(void const* params, void* stream);
+
+#ifdef __cplusplus
+}
+#endif

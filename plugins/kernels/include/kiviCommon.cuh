@@ -1,0 +1,186 @@
+/*
+ * KIVI kernels: device helpers shared by the append and attention kernels (header-only, raw pointers).
+ *
+ * Numerics follow trtllm_kivi/reference/quant.py exactly where the result is stored (codes, scales): fp32 with
+ * explicit round-to-nearest intrinsics (__fsub_rn/__fmul_rn/__fadd_rn/__fdiv_rn) so nvcc cannot contract a multiply
+ * and an add into one FMA, IEEE division, and rintf (round half to even). These translation units are never built
+ * with --use_fast_math.
+ */
+#pragma once
+
+#include "kiviFormat.h"
+#include "kiviParams.h"
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace trtllm_kivi
+{
+namespace kernels
+{
+
+//! Activation storage type <-> fp32 (round to nearest even), FasterTransformer style.
+template <typename T>
+struct ActTraits;
+
+template <>
+struct ActTraits<half>
+{
+    static __device__ __forceinline__ float toFloat(half x)
+    {
+        return __half2float(x);
+    }
+
+    static __device__ __forceinline__ half fromFloat(float x)
+    {
+        return __float2half_rn(x);
+    }
+};
+
+template <>
+struct ActTraits<__nv_bfloat16>
+{
+    static __device__ __forceinline__ float toFloat(__nv_bfloat16 x)
+    {
+        return __bfloat162float(x);
+    }
+
+    static __device__ __forceinline__ __nv_bfloat16 fromFloat(float x)
+    {
+        return __float2bfloat16_rn(x);
+    }
+};
+
+//! Round an fp32 value to the activation type and back: what the reference's `.to(window dtype)` does.
+template <typename T>
+__device__ __forceinline__ float roundToAct(float x)
+{
+    return ActTraits<T>::toFloat(ActTraits<T>::fromFloat(x));
+}
+
+//! Scale/zero element `idx` of a buffer of dtype `dtype` (KiviDataType) as fp32.
+__device__ __forceinline__ float loadScale(void const* ptr, int64_t idx, int32_t dtype)
+{
+    if (dtype == kKIVI_FLOAT16)
+    {
+        return __half2float(static_cast<half const*>(ptr)[idx]);
+    }
+    if (dtype == kKIVI_BFLOAT16)
+    {
+        return __bfloat162float(static_cast<__nv_bfloat16 const*>(ptr)[idx]);
+    }
+    return static_cast<float const*>(ptr)[idx];
+}
+
+//! Store fp32 `x` cast to `dtype`; returns the stored value as fp32 (the codes are computed from it).
+__device__ __forceinline__ float storeScale(void* ptr, int64_t idx, int32_t dtype, float x)
+{
+    if (dtype == kKIVI_FLOAT16)
+    {
+        half const h = __float2half_rn(x);
+        static_cast<half*>(ptr)[idx] = h;
+        return __half2float(h);
+    }
+    if (dtype == kKIVI_BFLOAT16)
+    {
+        __nv_bfloat16 const h = __float2bfloat16_rn(x);
+        static_cast<__nv_bfloat16*>(ptr)[idx] = h;
+        return __bfloat162float(h);
+    }
+    static_cast<float*>(ptr)[idx] = x;
+    return x;
+}
+
+//! min/max that propagate NaN like torch.amin/amax (fminf/fmaxf would drop it).
+__device__ __forceinline__ float nanMin(float a, float x)
+{
+    return (x != x || x < a) ? x : a;
+}
+
+__device__ __forceinline__ float nanMax(float a, float x)
+{
+    return (x != x || x > a) ? x : a;
+}
+
+//! Code of x: clamp(round_half_even((x - zero) / scale), 0, levels), 0 when the stored scale is 0 or the result is
+//! NaN (fmaxf(NaN, 0) = 0), as reference/quant.py quantize_groups.
+__device__ __forceinline__ uint32_t quantizeCode(float x, float scale, float zero, float levels)
+{
+    if (scale == 0.F)
+    {
+        return 0U;
+    }
+    float const q = rintf(__fdiv_rn(__fsub_rn(x, zero), scale));
+    return static_cast<uint32_t>(fminf(fmaxf(q, 0.F), levels));
+}
+
+//! Dequantized value q * scale + zero in fp32 (no FMA contraction), as reference/quant.py dequantize_groups.
+__device__ __forceinline__ float dequantize(float code, float scale, float zero)
+{
+    return __fadd_rn(__fmul_rn(code, scale), zero);
+}
+
+//! Codes i and i + n/2 of an LSB-first word holding n = 32 / kBITS codes, as exact fp32, via the fp16
+//! magic-number trick: OR-ing a code c into the mantissa of 1024.0h (0x6400) gives the half 1024 + c exactly
+//! (c < 1024, fp16 spacing is 1 in [1024, 2048)), so one AND-OR (a single lop3) and one __hsub2 convert two codes.
+//! trtllm_kivi/cuda/model.py emulates this with numpy bit views.
+template <int kBITS>
+__device__ __forceinline__ float2 codePairToFloat(uint32_t word, int32_t i)
+{
+    constexpr uint32_t kMASK = ((1U << kBITS) - 1U) * 0x00010001U;
+    constexpr uint32_t kMAGIC = 0x64006400U;
+    uint32_t const bits = ((word >> (i * kBITS)) & kMASK) | kMAGIC;
+    __half2 h;
+    static_assert(sizeof(h) == sizeof(bits), "half2 is 32 bits");
+    memcpy(&h, &bits, sizeof(bits));
+    __half2 const magic = __half2half2(__ushort_as_half(static_cast<unsigned short>(0x6400U)));
+    return __half22float2(__hsub2(h, magic));
+}
+
+//! Per-sequence info the prepare kernel writes into the workspace (kSEQ_INFO_INTS ints per sequence).
+struct SeqInfo
+{
+    int32_t tokenOffset; //!< first row of this sequence in q/k/v/out (sum of clamped chunk_len before it)
+    int32_t tileOffset;  //!< first attention tile of this sequence
+    int32_t tileCount;   //!< ceil(chunk_len / tileTokens)
+    int32_t valid;       //!< 1 when every device-side check passed
+    int32_t splitLen;    //!< keys per split of this sequence: its length spread over all numSplits (see KiviLaunchPlan)
+    int32_t spare[3];
+};
+
+static_assert(sizeof(SeqInfo) == kSEQ_INFO_INTS * sizeof(int32_t), "SeqInfo layout");
+
+//! Gv = min(G, D) (kiviFormat.h valueGroupSize, usable in device code without --expt-relaxed-constexpr).
+__host__ __device__ constexpr int32_t valueGroupSizeDev(int32_t groupSize, int32_t headDim)
+{
+    return groupSize < headDim ? groupSize : headDim;
+}
+
+__device__ __forceinline__ int64_t numQuantizedDev(int64_t seqLen, int32_t residualLength, int32_t groupSize)
+{
+    return seqLen < residualLength ? 0 : (seqLen - residualLength) / groupSize * groupSize;
+}
+
+__device__ __forceinline__ float warpMax(float x)
+{
+#pragma unroll
+    for (int32_t o = 16; o > 0; o >>= 1)
+    {
+        x = fmaxf(x, __shfl_xor_sync(0xffffffffU, x, o));
+    }
+    return x;
+}
+
+__device__ __forceinline__ float warpSum(float x)
+{
+#pragma unroll
+    for (int32_t o = 16; o > 0; o >>= 1)
+    {
+        x += __shfl_xor_sync(0xffffffffU, x, o);
+    }
+    return x;
+}
+
+} // namespace kernels
+} // namespace trtllm_kivi

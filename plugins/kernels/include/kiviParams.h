@@ -1,0 +1,142 @@
+/*
+ * KIVI kernels: the launch parameters and their host-side validation. Plain C++ (no CUDA, no TensorRT includes), so
+ * the validation and index math compile with g++ and are unit-tested on a machine without a GPU.
+ *
+ * KiviStepParams is a flat, standard-layout struct (ints, pointers, size_t only): the C ABI (kiviCApi.h) takes it by
+ * pointer and Python mirrors it with ctypes (trtllm_kivi/cuda/_abi.py); kiviParamsSizeBytes() lets a test check the
+ * mirror. Field order is part of the ABI: append new fields at the end only.
+ */
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace trtllm_kivi
+{
+namespace kernels
+{
+
+//! Activation / scale dtype codes; equal to kSCALE_DTYPE_* of kiviFormat.h (FLOAT32 is a scale dtype only).
+enum KiviDataType : int32_t
+{
+    kKIVI_FLOAT16 = 0,
+    kKIVI_BFLOAT16 = 1,
+    kKIVI_FLOAT32 = 2,
+};
+
+//! Bits of the device error flag (KiviStepParams::errorFlag). Kernels never sync the host: a sequence failing a check
+//! is skipped (its output rows are zero, its cache untouched) and the bit is OR-ed into *errorFlag.
+enum KiviErrorBits : int32_t
+{
+    kKIVI_ERR_LENGTH = 1,   //!< past_len < 0, chunk_len < 0, chunk_len > maxChunkLen or tokens past numTokens
+    kKIVI_ERR_CAPACITY = 2, //!< n_q(past_len + chunk_len) beyond maxBlocksPerSeq * blockSize, or beyond maxSeqLen
+    kKIVI_ERR_SLOT = 4,     //!< slot id outside [0, numSlots)
+    kKIVI_ERR_BLOCK_ID = 8, //!< a used block-table entry outside [0, numBlocks)
+};
+
+//! One KiviAttention step (attend, then append) over a ragged batch. Shapes follow trtllm_kivi/format.py:
+//!   q [numTokens, numHeads, headDim], k/v [numTokens, numKvHeads, headDim] (activation dtype, post-RoPE);
+//!   out [numTokens, numHeads, headDim]; slotIds/pastLen/chunkLen [batch] int32 (device); blockTable
+//!   [batch, maxBlocksPerSeq] int32 (device); kCodes [numBlocks, Hkv, BS/(32/kBits), D] int32; kScale/kZero
+//!   [numBlocks, Hkv, BS/G, D]; vCodes [numBlocks, Hkv, BS, D/(32/vBits)] int32; vScale/vZero [numBlocks, Hkv, BS,
+//!   D/Gv]; kWindow/vWindow [numSlots, Hkv, R+G-1, D] (activation dtype).
+struct KiviStepParams
+{
+    // geometry
+    int32_t numHeads;
+    int32_t numKvHeads;
+    int32_t headDim;
+    // KiviConfig (format.py)
+    int32_t kBits;
+    int32_t vBits;
+    int32_t groupSize;
+    int32_t residualLength;
+    int32_t blockSize;
+    int32_t scaleDtype;  //!< KiviDataType: fp16, bf16 or fp32
+    int32_t keyGrouping; //!< kKEY_GROUPING_*: the kernels support per_channel (0) only
+    int32_t actDtype;    //!< KiviDataType: fp16 or bf16 (q, k, v, out, windows)
+    // batch and capacities (host values)
+    int32_t batch;           //!< sequences in this step (B)
+    int32_t numTokens;       //!< rows of q/k/v/out = sum(chunk_len) (checked on the device)
+    int32_t maxChunkLen;     //!< host upper bound of chunk_len (0: numTokens); 1 for a pure decode step
+    int32_t maxSeqLen;       //!< host upper bound of past_len + chunk_len (0: block-table capacity + window)
+    int32_t numBlocks;       //!< blocks in the pool
+    int32_t numSlots;        //!< window slots
+    int32_t maxBlocksPerSeq; //!< columns of blockTable
+    int32_t numSms;          //!< multiprocessors used to size the split over tokens (0: 132)
+    // device pointers
+    void const* q;
+    void const* k;
+    void const* v;
+    void* out;
+    int32_t const* slotIds;
+    int32_t const* pastLen;
+    int32_t const* chunkLen;
+    int32_t const* blockTable;
+    void* kCodes;
+    void* kScale;
+    void* kZero;
+    void* vCodes;
+    void* vScale;
+    void* vZero;
+    void* kWindow;
+    void* vWindow;
+    int32_t* errorFlag; //!< optional (may be null): KiviErrorBits OR-ed in by the kernels; the caller clears it
+    void* workspace;    //!< kiviWorkspaceSize(params) bytes, 256-byte aligned (may be null when that size is 0)
+    size_t workspaceSize;
+    // appended after the first version of this struct (zero-initialized callers get the defaults)
+    int32_t attentionImpl; //!< KiviAttentionImpl: 0 = auto (SIMT for now), 1 = SIMT, 2 = tensor cores (experimental)
+};
+
+//! Attention kernel choice (KiviStepParams::attentionImpl). Same decomposition, same workspace.
+enum KiviAttentionImpl : int32_t
+{
+    kKIVI_ATTN_AUTO = 0,
+    kKIVI_ATTN_SIMT = 1,
+    kKIVI_ATTN_TENSOR_CORE = 2, //!< WMMA, sm_80+; p rounded to the activation dtype (kiviAttentionTc.cuh)
+};
+
+//! Derived launch geometry: a pure function of the host fields, shared by the launchers, the workspace query and
+//! the CPU model of the decomposition (trtllm_kivi/cuda/model.py).
+struct KiviLaunchPlan
+{
+    int32_t windowCapacity; //!< W = R + G - 1
+    int32_t maxSeqLen;      //!< resolved maxSeqLen
+    int32_t maxChunkLen;    //!< resolved maxChunkLen
+    int32_t groupHeads;     //!< numHeads / numKvHeads
+    int32_t tileTokens;     //!< query tokens per attention CTA = kMAX_TILE_ROWS / groupHeads (>= 1)
+    int32_t numTiles;       //!< attention grid.x: an upper bound of sum_b ceil(chunk_len[b] / tileTokens)
+    int32_t splitLen;       //!< keys per split at maxSeqLen (multiple of kKEY_TILE); numSplits = ceil(maxSeqLen / it)
+    int32_t numSplits;      //!< attention grid.z. Each sequence splits its own length e over all of them:
+                            //!< splitLen(e) = max(kMIN_SPLIT_LEN, roundUp(ceil(e / numSplits), kKEY_TILE))
+    int32_t flushGroupsPerSeq; //!< flush grid.y: an upper bound of the groups one sequence quantizes in a step
+    size_t seqInfoBytes;    //!< workspace part 1: per-sequence info
+    size_t partialBytes;    //!< workspace part 2: split partials (m, l, acc[D]) when numSplits > 1
+};
+
+constexpr int32_t kKEY_TILE = 32;      //!< keys per attention tile (a G-group never straddles one: G % 32 == 0)
+constexpr int32_t kMAX_TILE_ROWS = 16; //!< query rows (tokens x heads of one KV head) per attention CTA
+constexpr int32_t kMIN_SPLIT_LEN = 256;
+constexpr int32_t kDEFAULT_NUM_SMS = 132;
+constexpr int32_t kCTAS_PER_SM = 4; //!< split target: tiles x KV heads x splits ~ kCTAS_PER_SM x SMs
+constexpr int32_t kSEQ_INFO_INTS = 8; //!< per sequence: token/tile offsets, tile count, valid, split length, 3 spare
+
+//! Validate the host fields and pointers of `p` for `phase` (kPHASE_*). Returns 0 when valid, else writes a message
+//! naming the bad value and the allowed range into msg (always NUL-terminated) and returns -1.
+constexpr int32_t kPHASE_ATTENTION = 1;
+constexpr int32_t kPHASE_APPEND = 2;
+constexpr int32_t kPHASE_STEP = 3;
+int32_t kiviValidate(KiviStepParams const& p, int32_t phase, char* msg, size_t msgLen);
+
+//! The launch plan of `p` (call only with params that kiviValidate accepts, pointers aside).
+KiviLaunchPlan kiviLaunchPlan(KiviStepParams const& p);
+
+//! The message of the last validation failure of a launcher on this thread ("" when none), and its setter.
+char const* kiviGetLastErrorMessage();
+void kiviSetLastErrorMessage(char const* msg);
+
+//! Workspace bytes a step with these host fields needs (pointers are ignored).
+size_t kiviWorkspaceSize(KiviStepParams const& p);
+
+} // namespace kernels
+} // namespace trtllm_kivi

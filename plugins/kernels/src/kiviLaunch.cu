@@ -1,0 +1,199 @@
+// KIVI kernels: host launchers (invokeKivi*) and the per-step prepare kernel. Validation is host-only C++
+// (kiviParams.cpp); lengths stay on the device (no host synchronization).
+#include "kiviKernels.h"
+#include "kiviLaunchTemplates.cuh"
+
+namespace trtllm_kivi
+{
+namespace kernels
+{
+
+// Instantiated in src/instantiations/kiviKernels_d<D>_<dtype>.cu.
+#define KIVI_EXTERN_LAUNCHERS(T, D)                                                                                    \
+    extern template cudaError_t launchKiviAttention<T, D>(                                                             \
+        KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*, float*, float*, cudaStream_t);                   \
+    extern template cudaError_t launchKiviAppend<T, D>(                                                                \
+        KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*, cudaStream_t);
+KIVI_EXTERN_LAUNCHERS(half, 64)
+KIVI_EXTERN_LAUNCHERS(half, 128)
+KIVI_EXTERN_LAUNCHERS(__nv_bfloat16, 64)
+KIVI_EXTERN_LAUNCHERS(__nv_bfloat16, 128)
+#undef KIVI_EXTERN_LAUNCHERS
+
+namespace
+{
+
+//! One CTA per sequence: token/tile offsets (block-wide sums over the earlier sequences) and the device-side checks
+//! of DESIGN.md (lengths, capacity, slot, block ids). A failing sequence is marked invalid (skipped by every later
+//! kernel) and its KiviErrorBits are OR-ed into *errorFlag.
+__global__ void __launch_bounds__(128) kiviPrepareKernel(KiviStepParams p, KiviLaunchPlan plan, SeqInfo* seqInfo)
+{
+    __shared__ int64_t sTokens[128];
+    __shared__ int64_t sTiles[128];
+    __shared__ int32_t sBadBlock;
+    int32_t const b = blockIdx.x;
+    int64_t tokens = 0;
+    int64_t tiles = 0;
+    for (int32_t j = threadIdx.x; j < b; j += blockDim.x)
+    {
+        int64_t const c = max(p.chunkLen[j], 0);
+        tokens += c;
+        tiles += (c + plan.tileTokens - 1) / plan.tileTokens;
+    }
+    sTokens[threadIdx.x] = tokens;
+    sTiles[threadIdx.x] = tiles;
+    if (threadIdx.x == 0)
+    {
+        sBadBlock = 0;
+    }
+    __syncthreads();
+    for (int32_t o = blockDim.x / 2; o > 0; o >>= 1)
+    {
+        if (threadIdx.x < o)
+        {
+            sTokens[threadIdx.x] += sTokens[threadIdx.x + o];
+            sTiles[threadIdx.x] += sTiles[threadIdx.x + o];
+        }
+        __syncthreads();
+    }
+    int64_t const tokenOffset = sTokens[0];
+    int64_t const tileOffset = sTiles[0];
+    int64_t const s = p.pastLen[b];
+    int64_t const c = p.chunkLen[b];
+    int64_t const e = s + c;
+    int32_t err = 0;
+    if (s < 0 || c < 0 || c > plan.maxChunkLen || tokenOffset + c > p.numTokens)
+    {
+        err |= kKIVI_ERR_LENGTH;
+    }
+    int64_t const nq = numQuantizedDev(e, p.residualLength, p.groupSize);
+    if (err == 0 && (e > plan.maxSeqLen || nq > int64_t(p.maxBlocksPerSeq) * p.blockSize))
+    {
+        err |= kKIVI_ERR_CAPACITY;
+    }
+    int32_t const slot = p.slotIds[b];
+    if (slot < 0 || slot >= p.numSlots)
+    {
+        err |= kKIVI_ERR_SLOT;
+    }
+    if (err == 0)
+    {
+        int64_t const usedBlocks = (nq + p.blockSize - 1) / p.blockSize;
+        for (int64_t j = threadIdx.x; j < usedBlocks; j += blockDim.x)
+        {
+            int32_t const blk = p.blockTable[int64_t(b) * p.maxBlocksPerSeq + j];
+            if (blk < 0 || blk >= p.numBlocks)
+            {
+                sBadBlock = 1;
+            }
+        }
+        __syncthreads();
+        if (sBadBlock)
+        {
+            err |= kKIVI_ERR_BLOCK_ID;
+        }
+    }
+    if (threadIdx.x == 0)
+    {
+        int64_t const avail = p.numTokens - tokenOffset;
+        int64_t const rows = c < 0 ? 0 : (c < avail ? c : (avail > 0 ? avail : 0));
+        SeqInfo info;
+        info.tokenOffset = static_cast<int32_t>(tokenOffset < p.numTokens ? tokenOffset : p.numTokens);
+        info.tileOffset = static_cast<int32_t>(tileOffset);
+        info.tileCount = static_cast<int32_t>((rows + plan.tileTokens - 1) / plan.tileTokens);
+        info.valid = err == 0 ? 1 : 0;
+        // This sequence's length e spread over all numSplits splits (whole 32-key tiles, at least kMIN_SPLIT_LEN),
+        // so a short sequence in an engine sized for long ones still uses the splits: numSplits * splitLen >= e.
+        int64_t const perSplit = (e > 0 ? e : 0) + plan.numSplits - 1;
+        int64_t const len = (perSplit / plan.numSplits + kKEY_TILE - 1) / kKEY_TILE * kKEY_TILE;
+        info.splitLen = static_cast<int32_t>(len > kMIN_SPLIT_LEN ? len : kMIN_SPLIT_LEN);
+        info.spare[0] = info.spare[1] = info.spare[2] = 0;
+        seqInfo[b] = info;
+        if (err != 0 && p.errorFlag != nullptr)
+        {
+            atomicOr(p.errorFlag, err);
+        }
+    }
+}
+
+template <typename T, int kD>
+cudaError_t dispatchPhases(KiviStepParams const& p, KiviLaunchPlan const& plan, SeqInfo const* seqInfo,
+    float* partialAcc, float* partialMl, int32_t phase, cudaStream_t stream)
+{
+    if (phase & kPHASE_ATTENTION)
+    {
+        cudaError_t const err = launchKiviAttention<T, kD>(p, plan, seqInfo, partialAcc, partialMl, stream);
+        if (err != cudaSuccess)
+        {
+            return err;
+        }
+    }
+    if (phase & kPHASE_APPEND)
+    {
+        return launchKiviAppend<T, kD>(p, plan, seqInfo, stream);
+    }
+    return cudaSuccess;
+}
+
+cudaError_t invokePhases(KiviStepParams const& p, int32_t phase, cudaStream_t stream)
+{
+    char msg[512];
+    if (kiviValidate(p, phase, msg, sizeof(msg)) != 0)
+    {
+        kiviSetLastErrorMessage(msg);
+        return cudaErrorInvalidValue;
+    }
+    kiviSetLastErrorMessage("");
+    if (p.batch == 0 || p.numTokens == 0)
+    {
+        return cudaSuccess;
+    }
+    KiviLaunchPlan const plan = kiviLaunchPlan(p);
+    char* ws = static_cast<char*>(p.workspace);
+    SeqInfo* seqInfo = reinterpret_cast<SeqInfo*>(ws);
+    float* partialAcc = nullptr;
+    float* partialMl = nullptr;
+    if (plan.numSplits > 1)
+    {
+        // [numTokens, numHeads, numSplits, D] then [numTokens, numHeads, numSplits, 2]: within partialBytes, which
+        // is sized for an upper bound of numTokens x numSplits.
+        size_t const rows = size_t(p.numTokens) * p.numHeads * plan.numSplits;
+        partialAcc = reinterpret_cast<float*>(ws + plan.seqInfoBytes);
+        partialMl = reinterpret_cast<float*>(
+            ws + plan.seqInfoBytes + (rows * p.headDim * sizeof(float) + 255) / 256 * 256);
+    }
+    kiviPrepareKernel<<<p.batch, 128, 0, stream>>>(p, plan, seqInfo);
+    cudaError_t const err = cudaGetLastError();
+    if (err != cudaSuccess)
+    {
+        return err;
+    }
+    bool const bf16 = p.actDtype == kKIVI_BFLOAT16;
+    if (p.headDim == 64)
+    {
+        return bf16 ? dispatchPhases<__nv_bfloat16, 64>(p, plan, seqInfo, partialAcc, partialMl, phase, stream)
+                    : dispatchPhases<half, 64>(p, plan, seqInfo, partialAcc, partialMl, phase, stream);
+    }
+    return bf16 ? dispatchPhases<__nv_bfloat16, 128>(p, plan, seqInfo, partialAcc, partialMl, phase, stream)
+                : dispatchPhases<half, 128>(p, plan, seqInfo, partialAcc, partialMl, phase, stream);
+}
+
+} // namespace
+
+cudaError_t invokeKiviStep(KiviStepParams const& params, cudaStream_t stream)
+{
+    return invokePhases(params, kPHASE_STEP, stream);
+}
+
+cudaError_t invokeKiviAttention(KiviStepParams const& params, cudaStream_t stream)
+{
+    return invokePhases(params, kPHASE_ATTENTION, stream);
+}
+
+cudaError_t invokeKiviAppend(KiviStepParams const& params, cudaStream_t stream)
+{
+    return invokePhases(params, kPHASE_APPEND, stream);
+}
+
+} // namespace kernels
+} // namespace trtllm_kivi

@@ -1,0 +1,299 @@
+// Host-side validation and launch planning of the KIVI kernels: plain C++ (compiled by g++ in the CPU tests).
+#include "kiviParams.h"
+
+#include "kiviFormat.h"
+
+#include <cstdarg>
+#include <cstdio>
+
+namespace trtllm_kivi
+{
+namespace kernels
+{
+namespace
+{
+
+int64_t ceilDiv(int64_t a, int64_t b)
+{
+    return (a + b - 1) / b;
+}
+
+size_t roundUp256(size_t n)
+{
+    return (n + 255) / 256 * 256;
+}
+
+int32_t fail(char* msg, size_t msgLen, char const* fmt, ...)
+{
+    if (msg != nullptr && msgLen > 0)
+    {
+        va_list args;
+        va_start(args, fmt);
+        std::vsnprintf(msg, msgLen, fmt, args);
+        va_end(args);
+    }
+    return -1;
+}
+
+bool isOneOf(int32_t v, int32_t const* allowed, int32_t n)
+{
+    for (int32_t i = 0; i < n; ++i)
+    {
+        if (allowed[i] == v)
+        {
+            return true;
+        }
+    }
+    return false;
+}
+
+bool aligned(void const* ptr, size_t alignment)
+{
+    return reinterpret_cast<uintptr_t>(ptr) % alignment == 0;
+}
+
+size_t dtypeBytes(int32_t dtype)
+{
+    return dtype == kKIVI_FLOAT32 ? 4 : 2;
+}
+
+//! A required device pointer: non-null and aligned. Returns 0 or fails with a message naming the buffer.
+int32_t checkPointer(char const* name, void const* ptr, size_t alignment, char* msg, size_t msgLen)
+{
+    if (ptr == nullptr)
+    {
+        return fail(msg, msgLen, "%s is a null pointer; a device buffer is required", name);
+    }
+    if (!aligned(ptr, alignment))
+    {
+        return fail(msg, msgLen, "%s=%p is not %zu-byte aligned", name, ptr, alignment);
+    }
+    return 0;
+}
+
+} // namespace
+
+int32_t kiviValidate(KiviStepParams const& p, int32_t phase, char* msg, size_t msgLen)
+{
+    if (msg != nullptr && msgLen > 0)
+    {
+        msg[0] = '\0';
+    }
+    if (phase < kPHASE_ATTENTION || phase > kPHASE_STEP)
+    {
+        return fail(msg, msgLen, "phase=%d is not supported; allowed: 1 (attention), 2 (append), 3 (step)", phase);
+    }
+    if (!isOneOf(p.headDim, kSUPPORTED_HEAD_DIMS, 2))
+    {
+        return fail(msg, msgLen, "head_dim=%d is not supported by the KIVI kernels; allowed: 64, 128", p.headDim);
+    }
+    if (p.numKvHeads <= 0 || p.numHeads <= 0)
+    {
+        return fail(msg, msgLen, "num_heads=%d and num_kv_heads=%d must be positive", p.numHeads, p.numKvHeads);
+    }
+    if (p.numHeads % p.numKvHeads != 0)
+    {
+        return fail(msg, msgLen, "num_heads=%d must be a multiple of num_kv_heads=%d", p.numHeads, p.numKvHeads);
+    }
+    if (p.numHeads / p.numKvHeads > kMAX_TILE_ROWS)
+    {
+        return fail(msg, msgLen, "num_heads/num_kv_heads=%d is not supported; allowed: 1..%d",
+            p.numHeads / p.numKvHeads, kMAX_TILE_ROWS);
+    }
+    if (!isOneOf(p.kBits, kSUPPORTED_BITS, 3))
+    {
+        return fail(msg, msgLen, "k_bits=%d is not supported; allowed: 2, 4, 8", p.kBits);
+    }
+    if (!isOneOf(p.vBits, kSUPPORTED_BITS, 3))
+    {
+        return fail(msg, msgLen, "v_bits=%d is not supported; allowed: 2, 4, 8", p.vBits);
+    }
+    if (!isOneOf(p.groupSize, kSUPPORTED_GROUP_SIZES, 3))
+    {
+        return fail(msg, msgLen, "group_size=%d is not supported; allowed: 32, 64, 128", p.groupSize);
+    }
+    if (p.residualLength < 0)
+    {
+        return fail(msg, msgLen, "residual_length=%d must be >= 0", p.residualLength);
+    }
+    if (p.blockSize <= 0 || p.blockSize % p.groupSize != 0)
+    {
+        return fail(msg, msgLen, "block_size=%d must be a positive multiple of group_size=%d", p.blockSize,
+            p.groupSize);
+    }
+    if (p.scaleDtype < kKIVI_FLOAT16 || p.scaleDtype > kKIVI_FLOAT32)
+    {
+        return fail(msg, msgLen, "scale_dtype=%d is not supported; allowed: 0 (float16), 1 (bfloat16), 2 (float32)",
+            p.scaleDtype);
+    }
+    if (p.keyGrouping != kKEY_GROUPING_PER_CHANNEL)
+    {
+        return fail(msg, msgLen,
+            "key_grouping=%d is not supported by the KIVI kernels; allowed: 0 (per_channel); per_token keys (1) "
+            "run in the torch reference only",
+            p.keyGrouping);
+    }
+    if (p.actDtype != kKIVI_FLOAT16 && p.actDtype != kKIVI_BFLOAT16)
+    {
+        return fail(msg, msgLen, "act_dtype=%d is not supported; allowed: 0 (float16), 1 (bfloat16)", p.actDtype);
+    }
+    if (p.batch < 0 || p.numTokens < 0)
+    {
+        return fail(msg, msgLen, "batch=%d and num_tokens=%d must be >= 0", p.batch, p.numTokens);
+    }
+    if (p.numBlocks <= 0 || p.numSlots <= 0 || p.maxBlocksPerSeq <= 0)
+    {
+        return fail(msg, msgLen, "num_blocks=%d, num_slots=%d and max_blocks_per_seq=%d must be positive",
+            p.numBlocks, p.numSlots, p.maxBlocksPerSeq);
+    }
+    if (p.maxChunkLen < 0 || p.maxChunkLen > p.numTokens)
+    {
+        return fail(msg, msgLen, "max_chunk_len=%d is out of range; allowed: 0 (= num_tokens) .. num_tokens=%d",
+            p.maxChunkLen, p.numTokens);
+    }
+    int64_t const capacity = int64_t(p.maxBlocksPerSeq) * p.blockSize + windowCapacity(p.residualLength, p.groupSize);
+    if (capacity > INT32_MAX / 2)
+    {
+        return fail(msg, msgLen, "max_blocks_per_seq=%d x block_size=%d is past the supported capacity of %d tokens",
+            p.maxBlocksPerSeq, p.blockSize, INT32_MAX / 2);
+    }
+    if (p.maxSeqLen < 0 || p.maxSeqLen > capacity)
+    {
+        return fail(msg, msgLen,
+            "max_seq_len=%d is past the capacity of %lld tokens (max_blocks_per_seq=%d blocks of %d + window %d); "
+            "allowed: 0 (= capacity) .. %lld",
+            p.maxSeqLen, static_cast<long long>(capacity), p.maxBlocksPerSeq, p.blockSize,
+            windowCapacity(p.residualLength, p.groupSize), static_cast<long long>(capacity));
+    }
+    if (p.attentionImpl < kKIVI_ATTN_AUTO || p.attentionImpl > kKIVI_ATTN_TENSOR_CORE)
+    {
+        return fail(msg, msgLen, "attention_impl=%d is not supported; allowed: 0 (auto), 1 (simt), 2 (tensor_core)",
+            p.attentionImpl);
+    }
+    if (p.numSms < 0)
+    {
+        return fail(msg, msgLen, "num_sms=%d must be >= 0 (0: %d)", p.numSms, kDEFAULT_NUM_SMS);
+    }
+    if (p.batch == 0 || p.numTokens == 0)
+    {
+        return 0; // nothing to launch; pointers may be null
+    }
+    size_t const sz = dtypeBytes(p.scaleDtype);
+    struct Req
+    {
+        char const* name;
+        void const* ptr;
+        size_t alignment;
+        bool attention;
+        bool append;
+    };
+    Req const reqs[] = {
+        {"q", p.q, 16, true, false},
+        {"k", p.k, 16, true, true},
+        {"v", p.v, 16, true, true},
+        {"out", p.out, 16, true, false},
+        {"slot_ids", p.slotIds, 4, true, true},
+        {"past_len", p.pastLen, 4, true, true},
+        {"chunk_len", p.chunkLen, 4, true, true},
+        {"block_table", p.blockTable, 4, true, true},
+        {"k_codes", p.kCodes, 4, true, true},
+        {"k_scale", p.kScale, sz, true, true},
+        {"k_zero", p.kZero, sz, true, true},
+        {"v_codes", p.vCodes, 4, true, true},
+        {"v_scale", p.vScale, sz, true, true},
+        {"v_zero", p.vZero, sz, true, true},
+        {"k_window", p.kWindow, 16, true, true},
+        {"v_window", p.vWindow, 16, true, true},
+    };
+    for (Req const& r : reqs)
+    {
+        bool const needed = ((phase & kPHASE_ATTENTION) && r.attention) || ((phase & kPHASE_APPEND) && r.append);
+        if (needed && checkPointer(r.name, r.ptr, r.alignment, msg, msgLen) != 0)
+        {
+            return -1;
+        }
+    }
+    if (p.errorFlag != nullptr && !aligned(p.errorFlag, 4))
+    {
+        return fail(msg, msgLen, "error_flag=%p is not 4-byte aligned", static_cast<void const*>(p.errorFlag));
+    }
+    size_t const need = kiviWorkspaceSize(p);
+    if (p.workspaceSize < need)
+    {
+        return fail(msg, msgLen, "workspace_size=%zu is too small; this step needs %zu bytes (kiviWorkspaceSize)",
+            p.workspaceSize, need);
+    }
+    if (need > 0 && checkPointer("workspace", p.workspace, 256, msg, msgLen) != 0)
+    {
+        return -1;
+    }
+    return 0;
+}
+
+KiviLaunchPlan kiviLaunchPlan(KiviStepParams const& p)
+{
+    KiviLaunchPlan plan{};
+    plan.windowCapacity = windowCapacity(p.residualLength, p.groupSize);
+    int64_t const capacity = int64_t(p.maxBlocksPerSeq) * p.blockSize + plan.windowCapacity;
+    plan.maxSeqLen = static_cast<int32_t>(p.maxSeqLen > 0 ? p.maxSeqLen : capacity);
+    plan.maxChunkLen = p.maxChunkLen > 0 ? p.maxChunkLen : p.numTokens;
+    // Divisors are clamped to >= 1 so that a plan of invalid params (kiviValidate rejects them) is merely useless.
+    plan.groupHeads = p.numKvHeads > 0 && p.numHeads >= p.numKvHeads ? p.numHeads / p.numKvHeads : 1;
+    plan.tileTokens = plan.groupHeads <= kMAX_TILE_ROWS ? kMAX_TILE_ROWS / plan.groupHeads : 1;
+    int64_t const t = p.numTokens;
+    // Each sequence with c tokens has ceil(c / TQ) tiles: sum <= ceil(T / TQ) + B, and never more than T.
+    int64_t tiles = ceilDiv(t, plan.tileTokens) + p.batch;
+    plan.numTiles = static_cast<int32_t>(tiles < t ? tiles : t);
+    // Split over keys so that tiles x KV heads x splits gives about kCTAS_PER_SM CTAs per SM; splits never shorter
+    // than kMIN_SPLIT_LEN keys. Lengths are device values, so the split is sized for maxSeqLen (a hint when known).
+    int64_t const sms = p.numSms > 0 ? p.numSms : kDEFAULT_NUM_SMS;
+    int64_t const ctas = int64_t(plan.numTiles > 0 ? plan.numTiles : 1) * (p.numKvHeads > 0 ? p.numKvHeads : 1);
+    int64_t splits = ceilDiv(kCTAS_PER_SM * sms, ctas);
+    int64_t const maxSplits = ceilDiv(plan.maxSeqLen > 0 ? plan.maxSeqLen : 1, kMIN_SPLIT_LEN);
+    splits = splits < 1 ? 1 : (splits > maxSplits ? maxSplits : splits);
+    int64_t splitLen = ceilDiv(ceilDiv(plan.maxSeqLen > 0 ? plan.maxSeqLen : 1, splits), kKEY_TILE) * kKEY_TILE;
+    plan.splitLen = static_cast<int32_t>(splitLen);
+    plan.numSplits = static_cast<int32_t>(ceilDiv(plan.maxSeqLen > 0 ? plan.maxSeqLen : 1, splitLen));
+    plan.flushGroupsPerSeq = static_cast<int32_t>(ceilDiv(plan.maxChunkLen, p.groupSize > 0 ? p.groupSize : 1));
+    plan.seqInfoBytes = roundUp256(size_t(p.batch) * kSEQ_INFO_INTS * sizeof(int32_t));
+    // Split partials: T x numSplits <= T + ceil(kCTAS_PER_SM * sms * tileTokens / Hkv) (as numTiles >= T /
+    // tileTokens) and <= T x maxSplits. Sizing by that bound, which never decreases when numTokens or batch grow,
+    // makes the workspace of the largest step (TensorRT's profile max) valid for every smaller one.
+    if (maxSplits > 1)
+    {
+        int64_t const kv = p.numKvHeads > 0 ? p.numKvHeads : 1;
+        int64_t const byCtas = t + ceilDiv(kCTAS_PER_SM * sms * plan.tileTokens, kv);
+        int64_t const bySplits = t * maxSplits;
+        size_t const rows = size_t(byCtas < bySplits ? byCtas : bySplits) * size_t(p.numHeads > 0 ? p.numHeads : 0);
+        plan.partialBytes = roundUp256(rows * p.headDim * sizeof(float)) + roundUp256(rows * 2 * sizeof(float));
+    }
+    return plan;
+}
+
+namespace
+{
+thread_local char tLastError[512] = "";
+} // namespace
+
+char const* kiviGetLastErrorMessage()
+{
+    return tLastError;
+}
+
+void kiviSetLastErrorMessage(char const* msg)
+{
+    std::snprintf(tLastError, sizeof(tLastError), "%s", msg != nullptr ? msg : "");
+}
+
+size_t kiviWorkspaceSize(KiviStepParams const& p)
+{
+    if (p.batch <= 0 || p.numTokens <= 0)
+    {
+        return 0;
+    }
+    KiviLaunchPlan const plan = kiviLaunchPlan(p);
+    return plan.seqInfoBytes + plan.partialBytes;
+}
+
+} // namespace kernels
+} // namespace trtllm_kivi

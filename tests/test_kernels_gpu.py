@@ -1,0 +1,272 @@
+"""KIVI CUDA kernels on a GPU against the torch reference (marked gpu; skipped without CUDA or the built library).
+
+Runs on a bare GPU machine: imports only torch, numpy, pytest and this source tree (PYTHONPATH=.).
+Oracles: trtllm_kivi.reference.kivi_attention_ / append on the CPU, from identical starting buffers.
+  - cache buffers: bit-exact after every step (codes, scales, zeros, windows). Buffers start filled with random
+    bits on both sides, so a stray write anywhere (another sequence's blocks or slot, padding) fails the comparison.
+  - attention output: model.attention_tolerance (one ulp of the activation dtype at the reference value + 2^-14 *
+    max|v|: both sides accumulate in fp32 over the same dequantized values; + 2u * max|v| for the tensor-core
+    kernel, which rounds p to the activation dtype; see trtllm_kivi/cuda/model.py). The output starts filled with
+    NaN (sentinel): every element must be written.
+  - loose check: 8-bit KIVI vs full-precision attention on the original K/V.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trtllm_kivi.cuda import _abi, model
+from trtllm_kivi.format import KiviConfig
+from trtllm_kivi.reference import KiviBuffers, kivi_attention_
+from trtllm_kivi.reference.attention import append as ref_append
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def lib() -> _abi.KiviLibrary:
+    if not torch.cuda.is_available():
+        pytest.skip("torch.cuda.is_available() is False: no CUDA device")
+    path = _abi.find_library()
+    if path is None:
+        tried = ", ".join(str(p) for p in _abi.library_candidates())
+        pytest.skip(f"KIVI kernel library not built (tried {tried}); run build_scripts/build_plugin.sh")
+    return _abi.load_library(path)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def random_buffers(cfg: KiviConfig, hkv: int, d: int, num_blocks: int, num_slots: int, dtype: torch.dtype,
+                   gen: torch.Generator) -> KiviBuffers:
+    """Buffers of the right shapes/dtypes filled with random bits (sentinels for stray writes)."""
+    z = KiviBuffers.allocate(cfg, hkv, d, num_blocks, num_slots, dtype)
+    out = []
+    for t in z:
+        b = _bits(t)
+        info = torch.iinfo(b.dtype)
+        out.append(torch.randint(info.min, info.max, b.shape, dtype=b.dtype, generator=gen).view(t.dtype))
+    return KiviBuffers(*out)
+
+
+def assert_buffers_equal(gpu: KiviBuffers, ref: KiviBuffers, what: str) -> None:
+    for name, a, b in zip(ref._fields, gpu, ref):
+        a = _bits(a.cpu())
+        if not torch.equal(a, _bits(b)):
+            bad = (a != _bits(b)).nonzero()[:5].tolist()
+            pytest.fail(f"{name} differs from the reference {what}; first indices {bad}")
+
+
+def assert_attention_close(got: torch.Tensor, ref: torch.Tensor, v_max: float, what: str,
+                           round_p: bool = False) -> None:
+    got = got.cpu().float()
+    tol = model.attention_tolerance(ref, v_max, round_p)
+    err = (got - ref.float()).abs()
+    ok = err <= tol  # NaN (an unwritten sentinel) fails
+    if not bool(ok.all()):
+        i = (~ok).nonzero()[0].tolist()
+        pytest.fail(f"attention {what}: at {i} got {got[tuple(i)].item()} want {ref[tuple(i)].item()} "
+                    f"(tol {tol[tuple(i)].item()}); {int((~ok).sum())} elements off")
+
+
+class Pair:
+    """The same cache state on the CPU (reference) and on the GPU (kernels)."""
+
+    def __init__(self, cfg: KiviConfig, h: int, hkv: int, d: int, dtype: torch.dtype, batch: int, mbs: int,
+                 seed: int = 0, spare_blocks: int = 3) -> None:
+        self.cfg, self.h, self.hkv, self.d, self.dtype = cfg, h, hkv, d, dtype
+        self.gen = torch.Generator().manual_seed(seed)
+        num_blocks = batch * mbs + spare_blocks
+        self.ref = random_buffers(cfg, hkv, d, num_blocks, batch + 2, dtype, self.gen)
+        self.gpu = KiviBuffers(*(t.cuda() for t in self.ref))
+        self.table = torch.randperm(num_blocks, generator=self.gen)[: batch * mbs].reshape(batch, mbs).int()
+        self.slots = torch.randperm(batch + 2, generator=self.gen)[:batch].int()
+        self.lens = [0] * batch
+        self.v_max = 1.0
+
+    def randn(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=self.gen) * scale).to(self.dtype)
+
+    def fill_history(self, lens: list[int]) -> None:
+        """Give sequence b a history of lens[b] tokens with the reference's append (no attention), on both sides."""
+        for b, n in enumerate(lens):
+            if n == 0:
+                continue
+            k, v = self.randn(self.hkv, n, self.d), self.randn(self.hkv, n, self.d)
+            self.v_max = max(self.v_max, v.abs().max().item())
+            ref_append(self.ref, self.cfg, int(self.slots[b]), self.table[b], self.lens[b], k, v)
+            self.lens[b] += n
+        self.gpu = KiviBuffers(*(t.cuda() for t in self.ref))
+
+    def step(self, lib: _abi.KiviLibrary, chunks: list[int], *, max_seq_len: int = 0,
+             impl: int = _abi.ATTN_AUTO) -> None:
+        """One step on both sides; compare out (sentinel-filled) and every buffer. impl: the attention kernel."""
+        from trtllm_kivi.cuda.ops import kivi_attention_cuda_
+        t = sum(chunks)
+        q, k, v = self.randn(t, self.h, self.d), self.randn(t, self.hkv, self.d), self.randn(t, self.hkv, self.d)
+        self.v_max = max(self.v_max, v.abs().max().item() if t else 0.0)
+        past, chunk = torch.tensor(self.lens).int(), torch.tensor(chunks).int()
+        want = kivi_attention_(q, k, v, self.slots, past, chunk, self.table, self.ref, self.cfg)
+        out = torch.full((t, self.h, self.d), float("nan"), dtype=self.dtype, device="cuda")
+        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        kivi_attention_cuda_(q.cuda(), k.cuda(), v.cuda(), self.slots.cuda(), past.cuda(), chunk.cuda(),
+                             self.table.cuda(), self.gpu, self.cfg, max_chunk_len=max(chunks), max_seq_len=max_seq_len,
+                             error_flag=flag, out=out, attention_impl=impl, lib=lib)
+        torch.cuda.synchronize()
+        what = f"chunks {chunks} after {self.lens} (attention_impl {impl})"
+        assert int(flag.item()) == 0, f"error flag {int(flag.item())} for {what}"
+        assert_attention_close(out, want, self.v_max, what, round_p=impl == _abi.ATTN_TENSOR_CORE)
+        assert_buffers_equal(self.gpu, self.ref, what)
+        self.lens = [a + b for a, b in zip(self.lens, chunks)]
+
+
+# The SIMT kernel (default) and the experimental tensor-core kernel (p rounded to the activation dtype: looser
+# tolerance, see model.attention_tolerance).
+IMPLS = [pytest.param(_abi.ATTN_AUTO, id="simt"), pytest.param(_abi.ATTN_TENSOR_CORE, id="tensor_core")]
+
+CONFIGS = [  # (k_bits, v_bits, G, R, D, H, Hkv, act dtype, scale dtype)
+    (2, 2, 32, 32, 128, 32, 8, torch.float16, "float16"),
+    (2, 4, 32, 32, 64, 12, 4, torch.bfloat16, "float16"),
+    (4, 8, 64, 64, 128, 8, 8, torch.float16, "bfloat16"),
+    (8, 2, 32, 0, 64, 3, 1, torch.bfloat16, "float32"),
+    (4, 4, 128, 128, 128, 16, 2, torch.float16, "float16"),
+    (2, 8, 32, 128, 128, 24, 3, torch.bfloat16, "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kb, vb, g, r, d, h, hkv, dtype, sdt", CONFIGS)
+def test_decode_loop_matches_reference(lib, kb, vb, g, r, d, h, hkv, dtype, sdt, impl):
+    """Ragged prefill, chunked prefill and 70 decode steps (crossing window and group flushes), batch 3; out and the
+    whole cache compared after every step."""
+    cfg = KiviConfig(k_bits=kb, v_bits=vb, group_size=g, residual_length=r, block_size=128, scale_dtype=sdt)
+    pair = Pair(cfg, h, hkv, d, dtype, batch=3, mbs=4)
+    pair.step(lib, [45, 1, 130], impl=impl)
+    pair.step(lib, [20, 0, 3], impl=impl)
+    for _ in range(70):
+        pair.step(lib, [1, 1, 1], impl=impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("batch", [1, 3, 17])
+@pytest.mark.parametrize("d, gqa, dtype", [(128, 4, torch.float16), (64, 1, torch.bfloat16),
+                                           (128, 8, torch.bfloat16), (64, 3, torch.float16)])
+def test_batch_sweep_around_boundaries(lib, batch, d, gqa, dtype, impl):
+    """Histories just below/at/above the window (R), group (R + kG) and block boundaries; a decode step and a short
+    chunk step."""
+    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=64, block_size=128)
+    edges = [0, 1, 63, 64, 65, 95, 96, 97, 127, 128, 190, 191, 192, 255, 256, 257, 600]
+    hkv = 2
+    pair = Pair(cfg, gqa * hkv, hkv, d, dtype, batch=batch, mbs=6, seed=batch)
+    pair.fill_history([edges[(i * 7) % len(edges)] for i in range(batch)])
+    pair.step(lib, [1] * batch, impl=impl)
+    pair.step(lib, [(i % 5) for i in range(batch)], impl=impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("lens", [[1], [4096, 33], [16_000, 1, 9000], [40_000, 40_001]],
+                         ids=lambda lens: "+".join(map(str, lens)))
+def test_long_contexts(lib, lens, impl):
+    """Long histories (up to 40K tokens): many splits and the combine, decode steps, GQA 4, head_dim 128."""
+    cfg = KiviConfig()
+    batch = len(lens)
+    mbs = math.ceil(max(lens) / cfg.block_size) + 2
+    pair = Pair(cfg, 32, 8, 128, torch.float16, batch=batch, mbs=mbs)
+    pair.fill_history(lens)
+    pair.step(lib, [1] * batch, impl=impl)
+    pair.step(lib, [1] * batch, max_seq_len=max(lens) + 2, impl=impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_prefill_chunks_match_reference(lib, impl):
+    """Prefill chunks of 3000 tokens next to decode tokens in one ragged step, then chunked prefill on top."""
+    cfg = KiviConfig(k_bits=4, v_bits=2)
+    pair = Pair(cfg, 8, 2, 128, torch.bfloat16, batch=3, mbs=60)
+    pair.step(lib, [3000, 1, 700], impl=impl)
+    pair.step(lib, [1, 2500, 333], impl=impl)
+
+
+def test_long_prefill_append_is_bit_exact(lib):
+    """A 40K-token prefill chunk through the append phase only (its attention output is O(n^2) to check on the
+    CPU) against the reference append."""
+    from trtllm_kivi.cuda.ops import kivi_attention_cuda_
+    cfg = KiviConfig()
+    n, hkv, d = 40_000, 8, 128
+    pair = Pair(cfg, hkv, hkv, d, torch.float16, batch=1, mbs=math.ceil(n / 128) + 1)
+    k, v = pair.randn(n, hkv, d), pair.randn(n, hkv, d)
+    ref_append(pair.ref, cfg, int(pair.slots[0]), pair.table[0], 0, k.transpose(0, 1), v.transpose(0, 1))
+    q = torch.empty(n, hkv, d, dtype=torch.float16, device="cuda")
+    kivi_attention_cuda_(q, k.cuda(), v.cuda(), pair.slots.cuda(), torch.zeros(1, dtype=torch.int32, device="cuda"),
+                         torch.tensor([n], dtype=torch.int32, device="cuda"), pair.table.cuda(), pair.gpu, cfg,
+                         phase=_abi.PHASE_APPEND, lib=lib)
+    torch.cuda.synchronize()
+    assert_buffers_equal(pair.gpu, pair.ref, "after a 40K-token append")
+
+
+def test_close_to_full_precision_at_8_bits(lib):
+    """Loose check against unquantized attention (SDPA on the original K/V): 8-bit codes keep the output within
+    0.02 (|v| <~ 4: 8-bit steps ~ 8/255, averaged by the softmax; 0.006 seen in a CPU run of this arithmetic)."""
+    from trtllm_kivi.cuda.ops import kivi_attention_cuda_
+    cfg = KiviConfig(k_bits=8, v_bits=8, residual_length=32)
+    h, hkv, d, n = 8, 2, 128, 1000
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(n, hkv, d, generator=gen).half(), torch.randn(n, hkv, d, generator=gen).half()
+    q = torch.randn(n, h, d, generator=gen).half()
+    buf = KiviBuffers(*(t.cuda() for t in KiviBuffers.allocate(cfg, hkv, d, 10, 1, torch.float16)))
+    table = torch.arange(10).int().reshape(1, 10).cuda()
+    one = torch.ones(1, dtype=torch.int32, device="cuda")
+    outs = []
+    for t in range(n):  # decode token by token: each step attends to the quantized history
+        o = kivi_attention_cuda_(q[t:t + 1].cuda(), k[t:t + 1].cuda(), v[t:t + 1].cuda(), one * 0, one * t, one,
+                                 table, buf, cfg, check=False, lib=lib)
+        outs.append(o)
+    got = torch.cat(outs).float().cpu()
+    qf, kf, vf = (x.float().transpose(0, 1) for x in (q, k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(
+        qf, kf.repeat_interleave(h // hkv, 0), vf.repeat_interleave(h // hkv, 0), is_causal=True).transpose(0, 1)
+    assert (got - want).abs().max().item() < 0.02
+
+
+def test_device_side_overflow_sets_the_flag(lib):
+    """past_len + chunk_len past the block table's capacity (device lengths, no host sync in the launcher): the
+    sequence is skipped (zero output, cache untouched), the flag says kKIVI_ERR_CAPACITY, the others are exact."""
+    from trtllm_kivi.cuda.ops import kivi_attention_cuda_
+    cfg = KiviConfig(residual_length=32)
+    pair = Pair(cfg, 8, 2, 64, torch.float16, batch=2, mbs=2)
+    pair.fill_history([100, 40])
+    before = KiviBuffers(*(t.clone() for t in pair.gpu))
+    q, k, v = pair.randn(2, 8, 64), pair.randn(2, 2, 64), pair.randn(2, 2, 64)
+    past = torch.tensor([100, 5000], dtype=torch.int32)  # sequence 1 claims 5000 tokens: capacity 2 x 128 + 63
+    chunk = torch.tensor([1, 1], dtype=torch.int32)
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out = kivi_attention_cuda_(q.cuda(), k.cuda(), v.cuda(), pair.slots.cuda(), past.cuda(), chunk.cuda(),
+                               pair.table.cuda(), pair.gpu, cfg, error_flag=flag, check=False, lib=lib)
+    torch.cuda.synchronize()
+    assert int(flag.item()) == _abi.ERR_CAPACITY
+    assert torch.all(out[1].cpu() == 0)
+    slot1 = int(pair.slots[1])
+    assert torch.equal(_bits(pair.gpu.k_window[slot1]), _bits(before.k_window[slot1]))
+    want = kivi_attention_(q[:1], k[:1], v[:1], pair.slots[:1], past[:1], chunk[:1], pair.table[:1], pair.ref, cfg)
+    assert_attention_close(out[:1], want, pair.v_max, "sequence 0 next to an overflowing one")
+
+
+def test_launcher_rejects_unsupported_values(lib):
+    """Host validation reaches Python as ValueError naming the value."""
+    from trtllm_kivi.cuda.ops import kivi_attention_cuda_
+    cfg = KiviConfig()
+    buf = KiviBuffers(*(t.cuda() for t in KiviBuffers.allocate(cfg, 1, 96, 2, 1, torch.float16)))
+    x = torch.zeros(1, 1, 96, dtype=torch.float16, device="cuda")
+    i = torch.zeros(1, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="head_dim=96 is not supported by the KIVI kernels"):
+        kivi_attention_cuda_(x, x, x, i, i, i + 1, torch.zeros(1, 2, dtype=torch.int32, device="cuda"), buf, cfg,
+                             lib=lib)
+    cfg_pt = KiviConfig(key_grouping="per_token")
+    buf = KiviBuffers(*(t.cuda() for t in KiviBuffers.allocate(cfg_pt, 1, 64, 2, 1, torch.float16)))
+    x = torch.zeros(1, 1, 64, dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError, match="key_grouping=1 is not supported"):
+        kivi_attention_cuda_(x, x, x, i, i, i + 1, torch.zeros(1, 2, dtype=torch.int32, device="cuda"), buf, cfg_pt,
+                             lib=lib)

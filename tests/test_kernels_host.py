@@ -1,0 +1,195 @@
+"""Host side of the KIVI kernels without a GPU: the validation messages, the ctypes ABI mirror and the launch plan.
+
+The host-only part of the library (plugins/kernels/src/kiviParams.cpp + kiviCApiHost.cpp: plain C++) is compiled
+here with g++ -Werror and loaded with ctypes; oracles: the messages the issue requires (each names the bad value),
+format.FORMAT_VERSION, and the Python model of the plan (trtllm_kivi/cuda/model.py) checked for the bounds the
+kernels rely on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from trtllm_kivi.cuda import _abi, model
+from trtllm_kivi.format import FORMAT_VERSION, KiviConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "plugins" / "kernels" / "src"
+INCLUDES = [ROOT / "plugins" / "kernels" / "include", ROOT / "plugins" / "include"]
+
+
+@pytest.fixture(scope="module")
+def host_lib(tmp_path_factory) -> _abi.KiviLibrary:
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ is not on PATH: cannot build the host-only KIVI library")
+    out = tmp_path_factory.mktemp("kivi_host") / "libtrtllm_kivi_host.so"
+    cmd = [gxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wall", "-Wextra", "-Wshadow", "-Werror",
+           *(f"-I{p}" for p in INCLUDES), str(SRC / "kiviParams.cpp"), str(SRC / "kiviCApiHost.cpp"), "-o", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return _abi.KiviLibrary(out)
+
+
+def make(cfg: KiviConfig = KiviConfig(), h: int = 32, hkv: int = 8, d: int = 128, batch: int = 4, tokens: int = 4,
+         **over) -> _abi.KiviStepParams:
+    """Valid params with fake (aligned, never dereferenced) device pointers; `over` overrides fields."""
+    p = _abi.KiviStepParams()
+    vals = dict(numHeads=h, numKvHeads=hkv, headDim=d, kBits=cfg.k_bits, vBits=cfg.v_bits, groupSize=cfg.group_size,
+                residualLength=cfg.residual_length, blockSize=cfg.block_size, scaleDtype=0, keyGrouping=0,
+                actDtype=0, batch=batch, numTokens=tokens, maxChunkLen=0, maxSeqLen=0, numBlocks=1000, numSlots=8,
+                maxBlocksPerSeq=64, numSms=0)
+    for i, name in enumerate(_abi._PTR_FIELDS):
+        setattr(p, name, 0x100000 * (i + 1))
+    vals.update(over)
+    for name, value in vals.items():
+        setattr(p, name, value)
+    return p
+
+
+def with_workspace(lib: _abi.KiviLibrary, p: _abi.KiviStepParams) -> _abi.KiviStepParams:
+    p.workspaceSize = lib.workspace_size(p)
+    return p
+
+
+def test_abi_mirror_and_format_version(host_lib):
+    # KiviLibrary's constructor already refuses a size mismatch; check it explicitly too.
+    assert host_lib.lib.kiviCParamsSize() == ctypes.sizeof(_abi.KiviStepParams)
+    assert host_lib.format_version() == FORMAT_VERSION
+    assert not host_lib.has_launchers
+
+
+def test_valid_params_pass(host_lib):
+    for phase in (_abi.PHASE_ATTENTION, _abi.PHASE_APPEND, _abi.PHASE_STEP):
+        assert host_lib.validate(with_workspace(host_lib, make()), phase) == ""
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(headDim=96), r"head_dim=96 .*allowed: 64, 128"),
+    (dict(kBits=3), r"k_bits=3 .*allowed: 2, 4, 8"),
+    (dict(vBits=16), r"v_bits=16 .*allowed: 2, 4, 8"),
+    (dict(groupSize=48), r"group_size=48 .*allowed: 32, 64, 128"),
+    (dict(groupSize=64, blockSize=96), r"block_size=96 must be a positive multiple of group_size=64"),
+    (dict(keyGrouping=1), r"key_grouping=1 is not supported by the KIVI kernels; allowed: 0 \(per_channel\)"),
+    (dict(actDtype=2), r"act_dtype=2 .*allowed: 0 \(float16\), 1 \(bfloat16\)"),
+    (dict(scaleDtype=3), r"scale_dtype=3 .*allowed"),
+    (dict(numHeads=30), r"num_heads=30 must be a multiple of num_kv_heads=8"),
+    (dict(numHeads=64, numKvHeads=2), r"num_heads/num_kv_heads=32 .*allowed: 1\.\.16"),
+    (dict(residualLength=-1), r"residual_length=-1 must be >= 0"),
+    (dict(maxChunkLen=5), r"max_chunk_len=5 is out of range; .*num_tokens=4"),
+    (dict(maxSeqLen=64 * 128 + 160 + 1), r"max_seq_len=8353 is past the capacity of 8351 tokens"),
+    (dict(q=None), r"q is a null pointer"),
+    (dict(vWindow=None), r"v_window is a null pointer"),
+    (dict(k=0x100008), r"k=0x100008 is not 16-byte aligned"),
+    (dict(kScale=0x100001), r"k_scale=0x100001 is not 2-byte aligned"),
+    (dict(numBlocks=0), r"num_blocks=0, .*must be positive"),
+    (dict(batch=-1), r"batch=-1 and num_tokens=4 must be >= 0"),
+    (dict(attentionImpl=3), r"attention_impl=3 is not supported; allowed: 0 \(auto\), 1 \(simt\), 2 \(tensor_core\)"),
+    (dict(numSms=-1), r"num_sms=-1 must be >= 0"),
+])
+def test_validation_names_the_bad_value(host_lib, over, match):
+    p = make(**over)
+    p.workspaceSize = 1 << 40  # not the subject here
+    msg = host_lib.validate(p)
+    assert msg, f"{over} was accepted"
+    import re
+    assert re.search(match, msg), msg
+
+
+def test_phase_specific_pointers(host_lib):
+    # The append phase never touches q or out: null is fine there, not for attention.
+    p = with_workspace(host_lib, make(q=None, out=None))
+    assert host_lib.validate(p, _abi.PHASE_APPEND) == ""
+    assert "q is a null pointer" in host_lib.validate(p, _abi.PHASE_ATTENTION)
+
+
+def test_workspace_checks(host_lib):
+    p = make(batch=2, tokens=3000, maxChunkLen=0)
+    need = host_lib.workspace_size(p)
+    assert need > 0
+    p.workspaceSize = need - 1
+    assert f"workspace_size={need - 1} is too small; this step needs {need} bytes" in host_lib.validate(p)
+    p.workspaceSize = need
+    p.workspace = 0x100080  # 128-byte aligned only
+    assert "workspace=0x100080 is not 256-byte aligned" in host_lib.validate(p)
+    # An empty step needs nothing and accepts null pointers.
+    assert host_lib.workspace_size(make(batch=0, tokens=0)) == 0
+    assert host_lib.validate(make(batch=0, tokens=0, q=None, workspace=None)) == ""
+
+
+def _random_case(rng: random.Random):
+    cfg = KiviConfig(k_bits=rng.choice((2, 4, 8)), v_bits=rng.choice((2, 4, 8)), group_size=rng.choice((32, 64)),
+                     residual_length=rng.choice((0, 32, 128)), block_size=128)
+    hkv = rng.choice((1, 2, 8))
+    grp = rng.choice((1, 3, 4, 8, 16))
+    batch = rng.randint(1, 40)
+    chunks = [rng.choice((0, 1, 1, 1, rng.randint(1, 300))) for _ in range(batch)]
+    return cfg, hkv, grp, batch, chunks
+
+
+def test_launch_plan_matches_the_model_and_bounds_the_work(host_lib):
+    """Oracle: the C++ plan equals model.launch_plan field for field, and the bounds the kernels rely on hold:
+    numTiles >= sum ceil(c / tileTokens), splits cover max_seq_len, flushGroupsPerSeq >= groups any chunk flushes."""
+    rng = random.Random(0)
+    for _ in range(300):
+        cfg, hkv, grp, batch, chunks = _random_case(rng)
+        tokens = sum(chunks)
+        if tokens == 0:
+            continue
+        mbs = rng.choice((1, 8, 1024))
+        max_seq = rng.choice((0, 0, min(rng.randint(1, 5000), mbs * 128 + cfg.window_capacity)))
+        sms = rng.choice((0, 1, 132, 1000))
+        p = make(cfg, h=hkv * grp, hkv=hkv, d=rng.choice((64, 128)), batch=batch, tokens=tokens,
+                 maxBlocksPerSeq=mbs, maxSeqLen=max_seq, numSms=sms)
+        got = host_lib.launch_plan(p)
+        want = model.launch_plan(cfg, hkv * grp, hkv, p.headDim, batch, tokens, mbs, 0, max_seq, sms)
+        assert got == want.__dict__, (got, want)
+        assert want.num_tiles >= sum(math.ceil(c / want.tile_tokens) for c in chunks)
+        assert want.split_len % 32 == 0 and want.num_splits * want.split_len >= want.max_seq_len
+        assert (want.num_splits - 1) * want.split_len < want.max_seq_len  # no split is empty for every length
+        for c in chunks:
+            for s in (0, 1, cfg.residual_length, rng.randint(0, 10_000)):
+                flushed = (cfg.num_quantized(s + c) - cfg.num_quantized(s)) // cfg.group_size
+                assert flushed <= want.flush_groups_per_seq
+
+
+def test_workspace_of_the_largest_step_serves_every_smaller_one(host_lib):
+    """TensorRT sizes the workspace at the profile max and runs smaller steps in it: kiviWorkspaceSize must not
+    decrease when num_tokens or batch grow, and the split partials actually used (T x H x numSplits) must fit."""
+    rng = random.Random(1)
+    for _ in range(200):
+        cfg, hkv, grp, _, _ = _random_case(rng)
+        d, mbs, sms = rng.choice((64, 128)), rng.choice((1, 16, 1024)), rng.choice((0, 7, 132))
+        big_t, big_b = rng.randint(1, 5000), rng.randint(1, 64)
+        big = make(cfg, h=hkv * grp, hkv=hkv, d=d, batch=big_b, tokens=big_t, maxBlocksPerSeq=mbs, numSms=sms)
+        limit = host_lib.workspace_size(big)
+        for t in sorted({1, 2, 3, 7, big_t // 3, big_t - 1, big_t}):
+            for b in {1, min(t, big_b), big_b}:
+                if t < 1 or b < 1 or t > big_t:
+                    continue
+                p = make(cfg, h=hkv * grp, hkv=hkv, d=d, batch=b, tokens=t, maxBlocksPerSeq=mbs, numSms=sms)
+                plan = host_lib.launch_plan(p)
+                assert plan["workspace_size"] <= limit, (t, b, big_t, big_b)
+                if plan["num_splits"] > 1:
+                    rows = t * hkv * grp * plan["num_splits"]
+                    used = math.ceil(rows * d * 4 / 256) * 256 + rows * 2 * 4
+                    assert used <= plan["partial_bytes"]
+
+
+def test_built_cuda_library_exports_the_same_abi():
+    """The full CUDA library (when build_scripts/build_plugin.sh has built it) loads without a GPU and agrees with
+    the host-only build: params size, format version, validation messages, launch plan."""
+    path = _abi.find_library()
+    if path is None:
+        pytest.skip(f"kernel library not built (tried {', '.join(map(str, _abi.library_candidates()))})")
+    lib = _abi.load_library(path)  # the constructor checks sizeof(KiviStepParams)
+    assert lib.has_launchers and lib.format_version() == FORMAT_VERSION
+    assert "head_dim=80" in lib.validate(make(headDim=80))
+    p = make(batch=3, tokens=40)
+    assert lib.launch_plan(p) == model.launch_plan(KiviConfig(), 32, 8, 128, 3, 40, 64).__dict__

@@ -1,0 +1,133 @@
+"""ctypes view of the KIVI kernel library's C ABI (plugins/kernels/include/kiviCApi.h).
+
+Imports only the standard library, so the CPU tests can load the host-only build (validation and launch plan, g++)
+and the GPU machine can load the full one without our venv.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LIB_NAME = "libtrtllm_kivi_kernels.so"
+LIB_ENV = "TRTLLM_KIVI_KERNELS_LIB"
+DEFAULT_BUILD_DIR = REPO_ROOT / "build" / "plugins"
+
+# KiviDataType / KiviErrorBits / phases, as in plugins/kernels/include/kiviParams.h.
+DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
+ERR_LENGTH, ERR_CAPACITY, ERR_SLOT, ERR_BLOCK_ID = 1, 2, 4, 8
+PHASE_ATTENTION, PHASE_APPEND, PHASE_STEP = 1, 2, 3
+ATTN_AUTO, ATTN_SIMT, ATTN_TENSOR_CORE = 0, 1, 2  # KiviAttentionImpl
+KEY_TILE = 32
+MAX_TILE_ROWS = 16
+MIN_SPLIT_LEN = 256
+DEFAULT_NUM_SMS = 132
+CTAS_PER_SM = 4
+SEQ_INFO_INTS = 8
+CUDA_ERROR_INVALID_VALUE = 1
+
+_INT_FIELDS = ("numHeads", "numKvHeads", "headDim", "kBits", "vBits", "groupSize", "residualLength", "blockSize",
+               "scaleDtype", "keyGrouping", "actDtype", "batch", "numTokens", "maxChunkLen", "maxSeqLen",
+               "numBlocks", "numSlots", "maxBlocksPerSeq", "numSms")
+_PTR_FIELDS = ("q", "k", "v", "out", "slotIds", "pastLen", "chunkLen", "blockTable", "kCodes", "kScale", "kZero",
+               "vCodes", "vScale", "vZero", "kWindow", "vWindow", "errorFlag", "workspace")
+
+PLAN_FIELDS = ("window_capacity", "max_seq_len", "max_chunk_len", "group_heads", "tile_tokens", "num_tiles",
+               "split_len", "num_splits", "flush_groups_per_seq", "seq_info_bytes", "partial_bytes",
+               "workspace_size")
+
+
+class KiviStepParams(ctypes.Structure):
+    """Mirror of trtllm_kivi::kernels::KiviStepParams (same field order; kiviCParamsSize checks the size)."""
+
+    _fields_ = ([(n, ctypes.c_int32) for n in _INT_FIELDS] + [(n, ctypes.c_void_p) for n in _PTR_FIELDS]
+                + [("workspaceSize", ctypes.c_size_t), ("attentionImpl", ctypes.c_int32)])
+
+
+class KiviLibrary:
+    """A loaded kernel library (full CUDA build) or host-only build (validation/plan functions only)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.lib = ctypes.CDLL(str(self.path))
+        lib = self.lib
+        lib.kiviCParamsSize.restype = ctypes.c_size_t
+        lib.kiviCFormatVersion.restype = ctypes.c_int32
+        lib.kiviCValidate.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+        lib.kiviCValidate.restype = ctypes.c_int32
+        lib.kiviCLaunchPlan.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)]
+        lib.kiviCLaunchPlan.restype = ctypes.c_int32
+        lib.kiviCWorkspaceSize.argtypes = [ctypes.c_void_p]
+        lib.kiviCWorkspaceSize.restype = ctypes.c_size_t
+        lib.kiviCLastErrorMessage.restype = ctypes.c_char_p
+        self.has_launchers = hasattr(lib, "kiviCStep")
+        if self.has_launchers:
+            for name in ("kiviCStep", "kiviCAttention", "kiviCAppend"):
+                fn = getattr(lib, name)
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+                fn.restype = ctypes.c_int32
+        size = lib.kiviCParamsSize()
+        if size != ctypes.sizeof(KiviStepParams):
+            raise RuntimeError(f"{self.path}: KiviStepParams is {size} bytes in the library but "
+                               f"{ctypes.sizeof(KiviStepParams)} in trtllm_kivi/cuda/_abi.py; rebuild the library")
+
+    def format_version(self) -> int:
+        return int(self.lib.kiviCFormatVersion())
+
+    def last_error(self) -> str:
+        return (self.lib.kiviCLastErrorMessage() or b"").decode()
+
+    def validate(self, params: KiviStepParams, phase: int = PHASE_STEP) -> str:
+        """'' when valid, else the library's message naming the bad value."""
+        rc = self.lib.kiviCValidate(ctypes.byref(params), phase)
+        return "" if rc == 0 else self.last_error()
+
+    def launch_plan(self, params: KiviStepParams) -> dict[str, int]:
+        out = (ctypes.c_int64 * len(PLAN_FIELDS))()
+        self.lib.kiviCLaunchPlan(ctypes.byref(params), out)
+        return dict(zip(PLAN_FIELDS, (int(x) for x in out)))
+
+    def workspace_size(self, params: KiviStepParams) -> int:
+        return int(self.lib.kiviCWorkspaceSize(ctypes.byref(params)))
+
+    def launch(self, params: KiviStepParams, stream: int, phase: int = PHASE_STEP) -> int:
+        if not self.has_launchers:
+            raise RuntimeError(f"{self.path} is a host-only build without the CUDA launchers")
+        fn = {PHASE_STEP: self.lib.kiviCStep, PHASE_ATTENTION: self.lib.kiviCAttention,
+              PHASE_APPEND: self.lib.kiviCAppend}[phase]
+        return int(fn(ctypes.byref(params), ctypes.c_void_p(stream)))
+
+
+def library_candidates() -> list[Path]:
+    """Where load_library looks: $TRTLLM_KIVI_KERNELS_LIB, then build/plugins/ of the source tree."""
+    env = os.environ.get(LIB_ENV)
+    return ([Path(env)] if env else []) + [DEFAULT_BUILD_DIR / LIB_NAME]
+
+
+def find_library() -> Path | None:
+    for path in library_candidates():
+        if path.is_file():
+            return path
+    return None
+
+
+_LOADED: dict[Path, KiviLibrary] = {}
+
+
+def load_library(path: str | os.PathLike | None = None) -> KiviLibrary:
+    """Load (once) the kernel library; the error names every path tried and how to build it."""
+    if path is None:
+        path = find_library()
+        if path is None:
+            tried = ", ".join(str(p) for p in library_candidates())
+            raise FileNotFoundError(f"KIVI kernel library not found (tried {tried}); build it with "
+                                    f"build_scripts/build_plugin.sh or set {LIB_ENV}")
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"KIVI kernel library {path} does not exist; build it with "
+                                f"build_scripts/build_plugin.sh")
+    if path not in _LOADED:
+        _LOADED[path] = KiviLibrary(path)
+    return _LOADED[path]
