@@ -8,6 +8,8 @@ from typing import Sequence
 
 import torch
 
+from ..cache import CacheCapacityError, FullCache, KiviCache
+
 
 class Runner(ABC):
     """Sequences live in cache slots; a step feeds each listed slot a chunk of new tokens (prompt or generated)
@@ -45,3 +47,43 @@ class Runner(ABC):
     @abstractmethod
     def free_slots(self) -> int:
         """Slots available for new sequences."""
+
+
+class CacheRunner(Runner):
+    """A runner whose sequences live in a trtllm_kivi.cache cache (`self.cache`): slot bookkeeping and the step
+    checks every such runner shares."""
+
+    cache: "KiviCache | FullCache"
+
+    def add_sequence(self) -> int:
+        return self.cache.add_sequence()
+
+    def free_sequence(self, slot: int) -> None:
+        self.cache.free_sequence(slot)
+
+    def seq_len(self, slot: int) -> int:
+        return self.cache.seq_len(slot)
+
+    @property
+    def free_slots(self) -> int:
+        return self.cache.free_slots
+
+    @property
+    def kv_nbytes(self) -> int:
+        return self.cache.nbytes
+
+    def check_tokens(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
+                     max_num_tokens: int | None = None) -> None:
+        """Non-empty chunks of valid ids, one per slot, within the step's token limit (graph runners)."""
+        if len(slots) != len(tokens) or not slots:
+            raise ValueError(f"slots ({len(slots)}) and tokens ({len(tokens)}) must be equal and non-empty")
+        for s, t in zip(slots, tokens):
+            if len(t) == 0:
+                raise ValueError(f"slot {s}: empty chunk; every sequence in a step needs >= 1 token")
+            bad = [i for i in t if not 0 <= i < self.vocab_size]
+            if bad:
+                raise ValueError(f"slot {s}: token ids {bad[:3]} out of range [0, {self.vocab_size})")
+        n = sum(len(t) for t in tokens)
+        if max_num_tokens is not None and n > max_num_tokens:
+            raise CacheCapacityError(f"the step has {n} tokens; the graph was built for max_num_tokens="
+                                     f"{max_num_tokens} (split the prefill into chunks)")

@@ -13,10 +13,10 @@ import torch
 
 from ..builder.onnx_export import ExportSpec, cache_io_names, model_metadata
 from ..builder.ort_check import session
-from ..cache import CacheCapacityError, KiviCache
+from ..cache import KiviCache
 from ..format import FORMAT_VERSION, Geometry, KiviConfig
 from ..plugin import FIELD_NAMES, PLUGIN_NAME, config_from_fields
-from .base import Runner
+from .base import CacheRunner
 
 
 def graph_geometry(m: onnx.ModelProto) -> tuple[KiviConfig, Geometry, ExportSpec, dict]:
@@ -43,23 +43,7 @@ def step_feeds(st, tokens: Sequence[Sequence[int]], all_logits: bool) -> dict[st
             "block_table": st.block_table.cpu().numpy(), "logit_rows": rows}
 
 
-def check_tokens(runner: Runner, slots: Sequence[int], tokens: Sequence[Sequence[int]], max_num_tokens: int) -> None:
-    """Step checks shared by the graph runners: non-empty chunks of valid ids, within the step's token limit."""
-    if len(slots) != len(tokens):
-        raise ValueError(f"{len(slots)} slots but {len(tokens)} token lists")
-    for s, t in zip(slots, tokens):
-        if len(t) == 0:
-            raise ValueError(f"slot {s}: empty chunk; every sequence in a step needs >= 1 token")
-        bad = [i for i in t if not 0 <= i < runner.vocab_size]
-        if bad:
-            raise ValueError(f"slot {s}: token ids {bad[:3]} out of range [0, {runner.vocab_size})")
-    n = sum(len(t) for t in tokens)
-    if n > max_num_tokens:
-        raise CacheCapacityError(f"the step has {n} tokens; the graph was built for max_num_tokens="
-                                 f"{max_num_tokens} (split the prefill into chunks)")
-
-
-class OrtRunner(Runner):
+class OrtRunner(CacheRunner):
     """Runner over an exported graph (path or ModelProto) with onnxruntime on the CPU (fp32 activations)."""
 
     name = "onnxruntime"
@@ -78,25 +62,9 @@ class OrtRunner(Runner):
         self.session = session(m, threads)
         self._outputs = [o.name for o in self.session.get_outputs()]
 
-    def add_sequence(self) -> int:
-        return self.cache.add_sequence()
-
-    def free_sequence(self, slot: int) -> None:
-        self.cache.free_sequence(slot)
-
-    def seq_len(self, slot: int) -> int:
-        return self.cache.seq_len(slot)
-
-    @property
-    def free_slots(self) -> int:
-        return self.cache.free_slots
-
-    @property
-    def kv_nbytes(self) -> int:
-        return self.cache.nbytes
 
     def step(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], all_logits: bool = False) -> torch.Tensor:
-        check_tokens(self, slots, tokens, self.spec.max_num_tokens)
+        self.check_tokens(slots, tokens, self.spec.max_num_tokens)
         st = self.cache.begin_step(list(slots), [len(t) for t in tokens])
         feeds = step_feeds(st, tokens, all_logits)
         for layer, bufs in enumerate(self.cache.layers):
@@ -111,4 +79,4 @@ class OrtRunner(Runner):
         return torch.from_numpy(outs["logits"])
 
 
-__all__ = ["OrtRunner", "graph_geometry", "step_feeds", "check_tokens"]
+__all__ = ["OrtRunner", "graph_geometry", "step_feeds"]

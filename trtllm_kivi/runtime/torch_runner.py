@@ -11,10 +11,10 @@ import torch
 
 from ..cache import FullCache, KiviCache
 from ..models.llama import LlamaModel
-from .base import Runner
+from .base import CacheRunner
 
 
-class TorchRunner(Runner):
+class TorchRunner(CacheRunner):
     name = "torch"
 
     def __init__(self, model: LlamaModel, cache: KiviCache | FullCache) -> None:
@@ -38,33 +38,11 @@ class TorchRunner(Runner):
                                 **cache_kwargs)
         return cls(model, cache)
 
-    def add_sequence(self) -> int:
-        return self.cache.add_sequence()
-
-    def free_sequence(self, slot: int) -> None:
-        self.cache.free_sequence(slot)
-
-    def seq_len(self, slot: int) -> int:
-        return self.cache.seq_len(slot)
-
-    @property
-    def kv_nbytes(self) -> int:
-        return self.cache.nbytes
-
-    @property
-    def free_slots(self) -> int:
-        return self.cache.free_slots
 
     def step(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], all_logits: bool = False) -> torch.Tensor:
-        if len(slots) != len(tokens) or not slots:
-            raise ValueError(f"slots ({len(slots)}) and tokens ({len(tokens)}) must be equal and non-empty")
+        self.check_tokens(slots, tokens)
         chunk = [len(t) for t in tokens]
-        if min(chunk) == 0:
-            raise ValueError(f"every sequence needs >= 1 token in a step; chunk lengths {chunk}")
         flat = [int(t) for seq in tokens for t in seq]
-        bad = [t for t in flat if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} out of range [0, {self.vocab_size})")
         step = self.cache.begin_step(slots, chunk)  # validates capacity; nothing changes on error
         dev = self.model.device
         ids = torch.tensor(flat, dtype=torch.long, device=dev)  # [T]

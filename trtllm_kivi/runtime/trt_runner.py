@@ -19,13 +19,12 @@ from ..builder.onnx_export import ExportSpec, cache_io_names
 from ..cache import KiviCache
 from ..format import FORMAT_VERSION, Geometry, KiviConfig
 from ..reference.attention import KiviBuffers
-from .base import Runner
-from .ort_runner import check_tokens
+from .base import CacheRunner
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-class TrtRunner(Runner):
+class TrtRunner(CacheRunner):
     """Runner over DIR/model.engine (built by `trtllm-kivi build` with TensorRT present)."""
 
     name = "tensorrt"
@@ -71,18 +70,6 @@ class TrtRunner(Runner):
         self._spare = None if self._aliased else [
             KiviBuffers(*(torch.empty_like(t) for t in bufs)) for bufs in self.cache.layers]
 
-    def add_sequence(self) -> int:
-        return self.cache.add_sequence()
-
-    def free_sequence(self, slot: int) -> None:
-        self.cache.free_sequence(slot)
-
-    def seq_len(self, slot: int) -> int:
-        return self.cache.seq_len(slot)
-
-    @property
-    def free_slots(self) -> int:
-        return self.cache.free_slots
 
     @property
     def kv_nbytes(self) -> int:
@@ -95,7 +82,7 @@ class TrtRunner(Runner):
         self.context.set_tensor_address(name, t.data_ptr())
 
     def step(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], all_logits: bool = False) -> torch.Tensor:
-        check_tokens(self, slots, tokens, self.spec.max_num_tokens)
+        self.check_tokens(slots, tokens, self.spec.max_num_tokens)
         chunk = [len(t) for t in tokens]
         st = self.cache.begin_step(list(slots), chunk)
         i32 = dict(dtype=torch.int32, device=self.device)
