@@ -12,6 +12,8 @@ import sys
 # Subcommands in the order `--help` lists them (module names under trtllm_kivi.commands).
 COMMANDS = [
     "memory",
+    "run",
+    "build",
 ]
 
 
