@@ -14,6 +14,8 @@ COMMANDS = [
     "memory",
     "run",
     "build",
+    "bench",
+    "triton",
 ]
 
 

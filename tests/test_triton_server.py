@@ -1,0 +1,307 @@
+"""A real Triton Inference Server (the `tritonserver` of the PyPI wheel nvidia-pytriton, python backend) serving the
+default model from a repository written by `trtllm-kivi triton`, on 127.0.0.1, queried with tritonclient.
+
+Oracle: the offline path in this process — the same model and KV cache spec through the model engineer's
+runtime.generate.generate (greedy, or seeded sampling), token for token.
+
+Runs with the serving env's Python (numpy<2, tritonclient), which build_scripts/setup_triton_env.sh makes:
+    ENV=$(bash build_scripts/setup_triton_env.sh | tail -1)
+    $ENV/bin/python -m pytest --noconftest -m triton tests/test_triton_server.py
+From the dev venv, tests/test_triton_relay.py runs exactly that.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import threading
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from trtllm_kivi.serving.server import SETUP, TritonEnv, TritonServer
+
+pytestmark = pytest.mark.triton
+
+try:
+    import tritonclient.grpc as grpcclient
+except ImportError as e:  # the main dev venv has no tritonclient (its numpy 2 / protobuf 7 do not suit Triton)
+    pytest.skip(f"tritonclient is not importable here ({e}); tests/test_triton_relay.py runs this file with the "
+                f"serving env's python (ENV=$({SETUP} | tail -1); $ENV/bin/python -m pytest --noconftest -m triton "
+                f"tests/test_triton_server.py)", allow_module_level=True)
+
+try:
+    TRITON_ENV = TritonEnv.find()
+except FileNotFoundError as e:
+    pytest.skip(str(e), allow_module_level=True)
+
+MODEL = "trtllm_kivi"
+KV, KV_OPTIONS = "kivi2", {"residual_length": 32}  # R=32: sequences past 64 tokens read quantized history
+MAX_SLOTS, MAX_SEQ_LEN = 4, 160
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
+           "def fibonacci(n):", "The quick brown fox", "Once upon a time there was a"]
+
+
+ENGINE_MODEL = "tiny_engine"
+TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 64,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+               "intermediate_size": 128, "max_position_embeddings": 512}
+
+
+def build_tiny_engine(folder) -> str:
+    """`trtllm-kivi build` of a random tiny Llama (with the default model's tokenizer), KIVI-2 with R=16."""
+    import torch
+    from safetensors.torch import save_file
+
+    from trtllm_kivi.cli import main
+    from trtllm_kivi.models import LlamaModel
+    from trtllm_kivi.models.loaders import config_from_hf, gguf_tokenizer, resolve_model
+
+    ckpt = folder / "tiny"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(TINY_CONFIG))
+    g = torch.Generator().manual_seed(0)
+    save_file({n: (torch.randn(s, generator=g) * (1.0 if len(s) == 1 else 0.3)).contiguous()
+               for n, s in LlamaModel.hf_weight_shapes(config_from_hf(TINY_CONFIG)).items()},
+              ckpt / "model.safetensors")
+    gguf_tokenizer(resolve_model("smollm2-135m")).tok.save(str(ckpt / "tokenizer.json"))
+    out = folder / "build"
+    assert main(["build", "--model", str(ckpt), "-o", str(out), "--dtype", "float32", "--max-batch-size", "3",
+                 "--max-seq-len", "128", "--max-num-tokens", "64", "--check-steps", "0", "--quiet",
+                 "--kv", "kivi2", "--residual-length", "16"]) == 0
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    return build_tiny_engine(tmp_path_factory.mktemp("tiny_build"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, engine_dir):
+    """One server, two models: the default model through the torch runner (repository written by the Python API)
+    and a build folder through the builder's runner factory (written by `trtllm-kivi triton --engine`)."""
+    from trtllm_kivi.cli import main
+    from trtllm_kivi.models import resolve_model
+    from trtllm_kivi.serving.config import ServingConfig
+    from trtllm_kivi.serving.repository import write_repository
+
+    repo = tmp_path_factory.mktemp("triton_repo")
+    cfg = ServingConfig(model=str(resolve_model("smollm2-135m")), kv=KV, kv_options=KV_OPTIONS,
+                        max_slots=MAX_SLOTS, max_seq_len=MAX_SEQ_LEN, prefill_chunk=128, default_max_tokens=16,
+                        num_threads=1)
+    write_repository(repo, cfg, MODEL)
+    assert main(["triton", "--engine", engine_dir, "-o", str(repo), "--name", ENGINE_MODEL, "--num-threads", "1",
+                 "--prefill-chunk", "32"]) == 0
+    srv = TritonServer(repo, TRITON_ENV, log_file=tmp_path_factory.mktemp("triton_log") / "tritonserver.log")
+    try:
+        srv.start(timeout=240)
+        yield srv
+    finally:
+        srv.stop()
+        assert srv.proc.poll() is not None, "tritonserver still running after stop()"
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """The reference: same model, same KV spec, generated offline in this process."""
+    import torch
+
+    from trtllm_kivi.models import load_model
+    from trtllm_kivi.runtime.generate import SamplingParams, generate
+    from trtllm_kivi.runtime.kvspec import parse_kv
+    from trtllm_kivi.runtime.torch_runner import TorchRunner
+
+    torch.set_num_threads(1)  # as the server (num_threads=1): same matmul partitioning, and 2 cores for 2 processes
+    model, tok, _ = load_model("smollm2-135m")
+
+    def run(prompt_ids: list[int], **params):
+        runner = TorchRunner.create(model, parse_kv(KV, **KV_OPTIONS), 1, MAX_SEQ_LEN)
+        sp = SamplingParams(stop_token_ids=tuple(tok.eos_ids), **params)
+        return generate(runner, [prompt_ids], sp, tok, prefill_chunk=128)[0]
+
+    return tok, run
+
+
+def _input(name: str, value) -> grpcclient.InferInput:
+    """Python values -> a Triton input: strings BYTES, ints INT32 (seed INT64), floats FP32, bools BOOL."""
+    arr = np.asarray(value)
+    if arr.dtype.kind in "USO":
+        # plain bytes: tritonclient serializes numpy.bytes_ items as their repr
+        arr = np.array([v.encode() if isinstance(v, str) else bytes(v) for v in arr.reshape(-1)], dtype=np.object_)
+    elif arr.dtype.kind in "iu" or arr.size == 0:
+        arr = arr.astype(np.int64 if name == "seed" else np.int32)
+    elif arr.dtype.kind == "f":
+        arr = arr.astype(np.float32)
+    dt = {"O": "BYTES", "i": {4: "INT32", 8: "INT64"}, "f": "FP32", "b": "BOOL"}[arr.dtype.kind]
+    dt = dt[arr.dtype.itemsize] if isinstance(dt, dict) else dt
+    i = grpcclient.InferInput(name, list(arr.shape), dt)
+    i.set_data_from_numpy(arr)
+    return i
+
+
+def stream_requests(server, requests: list[dict], timeout: float = 120.0, model: str = MODEL) -> dict[str, dict]:
+    """Send every request on one gRPC stream (all in flight at once); collect per request the streamed ids and text,
+    the finish reason, the number of responses, or the error."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    q: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    out = {str(i): {"ids": [], "text": "", "finish": None, "error": None, "responses": 0}
+           for i in range(len(requests))}
+    try:
+        for i, req in enumerate(requests):
+            inputs = [_input(k, v) for k, v in req.items()]
+            client.async_stream_infer(model, inputs, request_id=str(i))
+        pending = set(out)
+        while pending:
+            result, error = q.get(timeout=timeout)
+            if error is not None:
+                rid = _error_request_id(error, pending)
+                out[rid]["error"] = str(error)
+                pending.discard(rid)
+                continue
+            rid = result.get_response().id
+            o = out[rid]
+            o["responses"] += 1
+            o["ids"] += result.as_numpy("output_ids").tolist()
+            o["text"] += result.as_numpy("text_output")[0].decode()
+            fin = result.as_numpy("finish_reason")[0].decode()
+            if fin:
+                o["finish"] = fin
+                pending.discard(rid)
+    finally:
+        client.stop_stream()
+        client.close()
+    return out
+
+
+def _error_request_id(error, pending: set[str]) -> str:
+    """gRPC stream errors carry the request id in their message ('[request id: N] ...') or, from the model, only
+    the message: then match the single pending request of this test."""
+    msg = str(error)
+    for rid in pending:
+        if f"[request id: {rid}]" in msg:
+            return rid
+    assert len(pending) == 1, f"cannot tell which request failed: {msg}"
+    return next(iter(pending))
+
+
+def test_concurrent_streaming_requests_match_offline(server, offline):
+    tok, run = offline
+    n = [16, 24, 12, 20, 8, 16]
+    got = stream_requests(server, [{"text_input": [p], "max_tokens": [k]}
+                                   for p, k in zip(PROMPTS, n)])
+    for i, (p, k) in enumerate(zip(PROMPTS, n)):
+        ref = run(tok.encode(p), max_new_tokens=k)
+        o = got[str(i)]
+        assert o["error"] is None, o["error"]
+        assert o["ids"] == ref.tokens, f"prompt {p!r}: server {o['ids']} != offline {ref.tokens}"
+        assert o["text"] == ref.text and o["finish"] == ref.finish_reason
+        assert o["responses"] >= len(ref.tokens), "streaming sent fewer responses than tokens"
+
+
+def test_input_ids_seeded_sampling_and_stop_words(server, offline):
+    tok, run = offline
+    ids = tok.encode(PROMPTS[1])
+    greedy = run(ids, max_new_tokens=24)
+    stop = greedy.text[len(tok.decode(greedy.tokens[:4])):][:3]
+    sampled = run(ids, max_new_tokens=12, temperature=0.8, top_p=0.9, seed=1234)
+    reqs = [
+        {"input_ids": ids, "max_tokens": [24], "stop_words": [stop]},
+        {"input_ids": ids, "max_tokens": [12], "temperature": [0.8], "top_p": [0.9], "seed": [1234]},
+        {"input_ids": ids, "max_tokens": [12], "temperature": [0.8], "top_p": [0.9], "seed": [1234],
+         "stream": [False]},
+    ]
+    got = stream_requests(server, reqs)
+    assert got["0"]["finish"] == "stop" and got["0"]["text"] == greedy.text[:greedy.text.find(stop)]
+    assert got["1"]["ids"] == sampled.tokens and got["1"]["text"] == sampled.text
+    assert got["2"]["ids"] == sampled.tokens and got["2"]["responses"] == 1  # stream=false: one final response
+
+
+MALFORMED = [
+    ({"text_input": [""]}, "'text_input' is empty"),
+    ({"max_tokens": [4]}, "exactly one of 'text_input'"),
+    ({"text_input": ["hi"], "input_ids": [1, 2]}, "exactly one of 'text_input'"),
+    ({"text_input": ["hi"], "max_tokens": [0]}, r"max_tokens=0 must be in \[1, 160\]"),
+    ({"text_input": ["hi"], "max_tokens": [1_000_000_000]}, r"max_tokens=1000000000 must be in \[1, 160\]"),
+    ({"text_input": ["hi"], "max_tokens": [4, 5]}, "'max_tokens' must hold exactly one value"),
+    ({"text_input": ["hi", "there"]}, "exactly one string"),
+    ({"text_input": ["hi"], "temperature": [-1.0]}, "temperature=-1.0 must be in"),
+    ({"text_input": ["hi"], "top_p": [0.0]}, r"top_p=0.0 must be in \(0, 1\]"),
+    ({"input_ids": [1, 49152]}, r"outside the vocabulary \[0, 49152\)"),
+    ({"input_ids": []}, "'input_ids' is empty"),
+    ({"text_input": [b"\xff\xfe"]}, "not valid UTF-8"),
+    ({"input_ids": list(range(1, 101)), "max_tokens": [100]}, "needs 199 cache positions"),
+    ({"text_input": ["hi"], "max_tokens": [2.5]}, "data-type is 'FP32', but model 'trtllm_kivi' expects 'INT32'"),
+    ({"text_input": ["hi"], "bogus": [1]}, "unexpected inference input 'bogus'"),
+]
+
+
+def test_malformed_requests_get_errors_and_the_server_keeps_serving(server, offline):
+    tok, run = offline
+    for req, match in MALFORMED:
+        got = stream_requests(server, [req])["0"]
+        assert got["error"] is not None, f"{req} was accepted"
+        assert re.search(match, got["error"]), f"{req}: {got['error']!r} does not match {match!r}"
+    assert server.live() and server.ready()
+    ref = run(tok.encode(PROMPTS[0]), max_new_tokens=8)
+    got = stream_requests(server, [{"text_input": [PROMPTS[0]], "max_tokens": [8]}])
+    assert got["0"]["ids"] == ref.tokens
+
+
+def test_http_generate_endpoint(server, offline):
+    """Triton's HTTP generate extension (plain JSON) on the decoupled model with stream=false: one response."""
+    tok, run = offline
+    ref = run(tok.encode(PROMPTS[4]), max_new_tokens=10)
+    body = json.dumps({"text_input": PROMPTS[4], "max_tokens": 10, "stream": False}).encode()
+    r = urllib.request.Request(f"http://{server.http_url}/v2/models/{MODEL}/generate", body,
+                               {"Content-Type": "application/json"})
+    with urllib.request.urlopen(r, timeout=120) as resp:
+        out = json.loads(resp.read())
+    assert out["text_output"] == ref.text and out["output_ids"] == ref.tokens and out["finish_reason"] == "length"
+    bad = urllib.request.Request(f"http://{server.http_url}/v2/models/{MODEL}/generate",
+                                 json.dumps({"text_input": "", "stream": False}).encode(),
+                                 {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(bad, timeout=60)
+    assert "'text_input' is empty" in e.value.read().decode()
+
+
+def test_concurrent_clients_in_threads(server, offline):
+    """Several clients at once (own connections, own threads), more requests than slots: all served, all exact."""
+    tok, run = offline
+    results: dict[int, dict] = {}
+
+    def client(i: int) -> None:
+        results[i] = stream_requests(server, [{"text_input": [PROMPTS[i]], "max_tokens": [10]}])["0"]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    for i, p in enumerate(PROMPTS):
+        assert results[i]["ids"] == run(tok.encode(p), max_new_tokens=10).tokens
+
+
+def test_build_folder_model_matches_offline_factory(server, engine_dir):
+    """The build folder served by Triton equals the builder's runner (runtime.select.load_runner) run offline;
+    prompt + output pass R + G = 48 tokens, so quantized history is read."""
+    from trtllm_kivi.runtime.generate import SamplingParams, generate
+    from trtllm_kivi.runtime.select import BuildFolder, load_runner
+
+    tok = BuildFolder.open(engine_dir).tokenizer()
+    prompts = [list(range(100, 140)), list(range(7, 19)), tok.encode("Hello from the engine")]
+    n = [20, 45, 10]
+    got = stream_requests(server, [{"input_ids": p, "max_tokens": [k]} for p, k in zip(prompts, n)],
+                          model=ENGINE_MODEL)
+    for i, (p, k) in enumerate(zip(prompts, n)):
+        runner, _ = load_runner(engine_dir, threads=1)
+        ref = generate(runner, [p], SamplingParams(max_new_tokens=k, stop_token_ids=tuple(tok.eos_ids)), tok,
+                       prefill_chunk=32)[0]
+        assert got[str(i)]["error"] is None and got[str(i)]["ids"] == ref.tokens
+    bad = stream_requests(server, [{"input_ids": list(range(100)), "max_tokens": [40]}], model=ENGINE_MODEL)["0"]
+    assert "needs 139 cache positions; a sequence holds at most max_seq_len=128" in bad["error"]
