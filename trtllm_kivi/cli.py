@@ -14,6 +14,7 @@ COMMANDS = [
     "memory",
     "run",
     "build",
+    "eval",
     "bench",
     "triton",
 ]
