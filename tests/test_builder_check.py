@@ -10,7 +10,7 @@ from onnx import numpy_helper
 
 from trtllm_kivi.builder.check import LOGIT_ATOL, check_graph
 from trtllm_kivi.builder.onnx_export import ExportSpec, export_llama
-from trtllm_kivi.builder.tiny import tiny_model
+from trtllm_kivi.models.tiny import tiny_model
 from trtllm_kivi.format import KiviConfig
 
 CFG = KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=32, block_size=64)

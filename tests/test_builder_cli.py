@@ -1,4 +1,4 @@
-"""`trtllm-kivi build` end to end on a tiny random Hugging Face checkpoint (builder/tiny.py): the folder it writes,
+"""`trtllm-kivi build` end to end on a tiny random Hugging Face checkpoint (models/tiny.py): the folder it writes,
 the onnxruntime check it reports, refusal to overwrite, atomic output on failure, malformed options, and
 `trtllm-kivi run --engine DIR` generating through the onnxruntime runner.
 
@@ -12,7 +12,7 @@ import pytest
 from trtllm_kivi import cli
 from trtllm_kivi.builder import check as check_mod
 from trtllm_kivi.builder.build import BuildOptions, build
-from trtllm_kivi.builder.tiny import write_tiny_checkpoint
+from trtllm_kivi.models.tiny import write_tiny_checkpoint
 from trtllm_kivi.format import FORMAT_VERSION, KiviConfig
 
 SMALL = ["--residual-length", "32", "--max-batch-size", "2", "--max-seq-len", "256", "--check-steps", "16",

@@ -11,7 +11,7 @@ from onnx import TensorProto, numpy_helper
 from trtllm_kivi.builder.onnx_export import (DOMAIN, ONNX_DTYPES, STEP_INPUTS, ExportSpec, export_llama,
                                               model_metadata, save_model)
 from trtllm_kivi.builder.ort_check import ort_model
-from trtllm_kivi.builder.tiny import tiny_model
+from trtllm_kivi.models.tiny import tiny_model
 from trtllm_kivi.builder.trt_build import profile_shapes, trtexec_command
 from trtllm_kivi.format import BUFFER_NAMES, FORMAT_VERSION, KiviConfig, buffer_dtypes, buffer_shapes
 from trtllm_kivi.plugin import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, plugin_fields

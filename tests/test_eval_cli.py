@@ -9,7 +9,12 @@ import json
 import pytest
 
 from trtllm_kivi.cli import main
-from trtllm_kivi.eval.tiny import write_tiny_checkpoint
+from trtllm_kivi.models.tiny import FAN_IN_INIT, write_tiny_checkpoint
+
+# This file's checkpoint: 2 query heads / 1 KV head, 4096 positions, no BOS/EOS ids (so no BOS is added), unit
+# norms and N(0, 1/fan_in) matrices (embedding x3).
+TINY = dict(init=FAN_IN_INIT, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+            bos_token_id=None, eos_token_id=None)
 
 TEXT = ("Now is the winter of our discontent made glorious summer by this sun of York; and all the clouds that "
         "lour'd upon our house in the deep bosom of the ocean buried. ") * 6
@@ -19,7 +24,7 @@ TEXT = ("Now is the winter of our discontent made glorious summer by this sun of
 def ckpt(tmp_path_factory):
     d = tmp_path_factory.mktemp("evalcli")
     (d / "text.txt").write_text(TEXT)
-    return write_tiny_checkpoint(d / "tiny"), d / "text.txt"
+    return write_tiny_checkpoint(d / "tiny", **TINY), d / "text.txt"
 
 
 def test_eval_json(ckpt, tmp_path, capsys):

@@ -8,13 +8,18 @@ import random
 import pytest
 
 from trtllm_kivi.eval.passkey import FILLER, INTRO, NEEDLE, QUESTION, build_prompt, make_key
-from trtllm_kivi.eval.tiny import write_tiny_checkpoint
+from trtllm_kivi.models.tiny import FAN_IN_INIT, write_tiny_checkpoint
 from trtllm_kivi.models import Tokenizer
+
+# This file's checkpoint: 2 query heads / 1 KV head, 4096 positions, no BOS/EOS ids (so no BOS is added), unit
+# norms and N(0, 1/fan_in) matrices (embedding x3).
+TINY = dict(init=FAN_IN_INIT, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+            bos_token_id=None, eos_token_id=None)
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    folder = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+    folder = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), **TINY)
     return Tokenizer.from_hf_folder(folder)
 
 
@@ -65,7 +70,7 @@ def test_run_passkey_matches_one_shot_scoring(tmp_path):
     from trtllm_kivi.models import load_model
     from trtllm_kivi.runtime.torch_runner import TorchRunner
 
-    model, tk, _ = load_model(write_tiny_checkpoint(tmp_path / "m"))
+    model, tk, _ = load_model(write_tiny_checkpoint(tmp_path / "m", **TINY))
     p = build_prompt(enc(tk), 600, 0.3, "52817")
     runner = lambda: TorchRunner(model, FullCache(model.cfg.geometry, 1, 1024, torch.float32))  # noqa: E731
     res = run_passkey(runner(), p, prefill_chunk=128)

@@ -16,11 +16,16 @@ from trtllm_kivi.cache import FullCache, KiviCache
 from trtllm_kivi.eval.memo_cache import MemoKiviCache
 from trtllm_kivi.eval.quality import QualitySetup, evaluate_quality
 from trtllm_kivi.eval.scoring import chunk_plan, flush_points, is_exact, score_sequence
-from trtllm_kivi.eval.tiny import write_tiny_checkpoint
+from trtllm_kivi.models.tiny import FAN_IN_INIT, write_tiny_checkpoint
 from trtllm_kivi.eval.metrics import nll, perplexity
 from trtllm_kivi.format import KiviConfig
 from trtllm_kivi.models import load_model
 from trtllm_kivi.runtime.torch_runner import TorchRunner
+
+# This file's checkpoint: 2 query heads / 1 KV head, 4096 positions, no BOS/EOS ids (so no BOS is added), unit
+# norms and N(0, 1/fan_in) matrices (embedding x3).
+TINY = dict(init=FAN_IN_INIT, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+            bos_token_id=None, eos_token_id=None)
 
 ATOL = 1e-4
 KIVI2 = KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=32)  # flush points 64, 96, 128, ...
@@ -28,7 +33,7 @@ KIVI2 = KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=32)  # flu
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    model, tok, cfg = load_model(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
+    model, tok, cfg = load_model(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), **TINY))
     text = "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer " * 3
     return model, tok.encode(text, add_special_tokens=False)[:200]
 

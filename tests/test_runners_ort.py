@@ -12,7 +12,7 @@ import torch
 from trtllm_kivi.builder.build import BuildOptions, build
 from trtllm_kivi.builder.check import reference_model
 from trtllm_kivi.builder.onnx_export import ExportSpec, export_llama
-from trtllm_kivi.builder.tiny import tiny_model, write_tiny_checkpoint
+from trtllm_kivi.models.tiny import tiny_model, write_tiny_checkpoint
 from trtllm_kivi.cache import CacheCapacityError, KiviCache
 from trtllm_kivi.format import KiviConfig
 from trtllm_kivi.runtime.ort_runner import OrtRunner

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trtllm_kivi.builder.build import BuildOptions, build
-from trtllm_kivi.builder.tiny import write_tiny_checkpoint
+from trtllm_kivi.models.tiny import write_tiny_checkpoint
 from trtllm_kivi.cache import KiviCache
 from trtllm_kivi.format import KiviConfig
 from trtllm_kivi.plugin import PLUGIN_LIBRARY_NAME, find_plugin_library

@@ -46,28 +46,20 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3,
 
 
 ENGINE_MODEL = "tiny_engine"
-TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 64,
-               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-               "intermediate_size": 128, "max_position_embeddings": 512}
+# The engine's checkpoint: models.tiny's TINY_CONFIG with the default model's 49152-token vocabulary (and its
+# tokenizer), 512 positions, eps 1e-6, an untied lm_head, no BOS/EOS ids; wide init (peaked logits, far from ties).
+TINY_OVERRIDES = dict(vocab_size=49152, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      bos_token_id=None, eos_token_id=None)
 
 
 def build_tiny_engine(folder) -> str:
     """`trtllm-kivi build` of a random tiny Llama (with the default model's tokenizer), KIVI-2 with R=16."""
-    import torch
-    from safetensors.torch import save_file
-
     from trtllm_kivi.cli import main
-    from trtllm_kivi.models import LlamaModel
-    from trtllm_kivi.models.loaders import config_from_hf, gguf_tokenizer, resolve_model
+    from trtllm_kivi.models.loaders import gguf_tokenizer, resolve_model
+    from trtllm_kivi.models.tiny import WIDE_INIT, write_tiny_checkpoint
 
-    ckpt = folder / "tiny"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps(TINY_CONFIG))
-    g = torch.Generator().manual_seed(0)
-    save_file({n: (torch.randn(s, generator=g) * (1.0 if len(s) == 1 else 0.3)).contiguous()
-               for n, s in LlamaModel.hf_weight_shapes(config_from_hf(TINY_CONFIG)).items()},
-              ckpt / "model.safetensors")
-    gguf_tokenizer(resolve_model("smollm2-135m")).tok.save(str(ckpt / "tokenizer.json"))
+    ckpt = write_tiny_checkpoint(folder / "tiny", seed=0, init=WIDE_INIT,
+                                 tokenizer=gguf_tokenizer(resolve_model("smollm2-135m")).tok, **TINY_OVERRIDES)
     out = folder / "build"
     assert main(["build", "--model", str(ckpt), "-o", str(out), "--dtype", "float32", "--max-batch-size", "3",
                  "--max-seq-len", "128", "--max-num-tokens", "64", "--check-steps", "0", "--quiet",

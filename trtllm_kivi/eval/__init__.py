@@ -10,5 +10,5 @@ Public API:
     passkey.build_prompt / run_passkey; suite.passkey_sweep(runners, prompts, reference)
     suite.make_runner(model, KVSpec, max_slots, max_seq_len, memo=True)  TorchRunner (+ MemoKiviCache).
     memo_cache.MemoKiviCache                    KiviCache with memoized dequantized history (bit-identical, faster).
-    report.quality_table / passkey_table / plot_error_growth; tiny.write_tiny_checkpoint (tests, smoke runs).
+    report.quality_table / passkey_table / plot_error_growth. (Tiny test checkpoints: trtllm_kivi.models.tiny.)
 """

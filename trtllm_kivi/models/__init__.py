@@ -14,6 +14,8 @@ Public API (stable names other modules build on):
     Tokenizer                                  encode(text, add_special_tokens) / decode / apply_chat_template;
                                                bos_id, eos_ids, vocab_size, token(id).
     parse_dtype("float32" | "bf16" | ...) -> torch.dtype.
+    tiny.write_tiny_checkpoint(folder, seed, init, tokenizer, **config_overrides) / tiny.tiny_model(seed, init,
+        **config_overrides)   random-weight tiny Llama for tests and smoke runs (import trtllm_kivi.models.tiny).
 Drive a model through trtllm_kivi.runtime.torch_runner.TorchRunner(model, cache) (or TorchRunner.create(model,
 "kivi2", max_slots, max_seq_len)) and trtllm_kivi.runtime.generate.generate(runner, prompts, params, tokenizer).
 """
