@@ -12,23 +12,17 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from trtllm_kivi import format as fmt
 from trtllm_kivi.bench.dataset import read_dataset
 from trtllm_kivi.bench.workload import memory_figures, run_workload
 from trtllm_kivi.cli import main
-from trtllm_kivi.models import LlamaModel, load_model
-from trtllm_kivi.models.loaders import config_from_hf, gguf_tokenizer, resolve_model
+from trtllm_kivi.models import load_model
+from trtllm_kivi.models.loaders import gguf_tokenizer, resolve_model
+from trtllm_kivi.models.tiny import WIDE_INIT, write_tiny_checkpoint
 from trtllm_kivi.runtime.generate import SamplingParams, generate
 from trtllm_kivi.runtime.kvspec import parse_kv
 from trtllm_kivi.runtime.torch_runner import TorchRunner
-
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 64,
-          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-          "intermediate_size": 128, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-          "tie_word_embeddings": False}
-
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
@@ -41,14 +35,10 @@ def one_thread():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A random Llama checkpoint folder with the default model's tokenizer."""
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    (folder / "config.json").write_text(json.dumps(CONFIG))
-    g = torch.Generator().manual_seed(0)
-    shapes = LlamaModel.hf_weight_shapes(config_from_hf(CONFIG))
-    save_file({n: (torch.randn(s, generator=g) * (1.0 if len(s) == 1 else 0.3)).contiguous()
-               for n, s in shapes.items()}, folder / "model.safetensors")
-    gguf_tokenizer(resolve_model("smollm2-135m")).tok.save(str(folder / "tokenizer.json"))
-    return folder
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), seed=0, init=WIDE_INIT,
+                                 tokenizer=gguf_tokenizer(resolve_model("smollm2-135m")).tok, vocab_size=49152,
+                                 max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=None,
+                                 eos_token_id=None)
 
 
 def test_prepare_and_throughput_cli_with_several_kv_specs(tiny, tmp_path, capsys):
