@@ -3,7 +3,7 @@
 The reference op (reference.attention.kivi_attention_) dequantizes a sequence's whole quantized store on every
 step and layer; on the CPU that dominates decode-mode scoring. The store is append-only (a quantized group never
 changes until the sequence is freed) and dequantization is elementwise, so dequantizing only the groups added since
-the last step and concatenating gives bit-identical history, hence bit-identical attention (tests/test_eval_memo.py
+the last step and concatenating gives bit-identical history, hence bit-identical attention (tests/test_eval_scoring.py
 checks torch.equal against KiviCache on the same inputs). Storage, flushing and every buffer are KiviCache's own
 (reference `append`); only the read side is memoized.
 """
