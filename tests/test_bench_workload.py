@@ -24,12 +24,7 @@ from trtllm_kivi.runtime.generate import SamplingParams, generate
 from trtllm_kivi.runtime.kvspec import parse_kv
 from trtllm_kivi.runtime.torch_runner import TorchRunner
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -27,13 +27,7 @@ MAX_SEQ_LEN = 112
 PREFILL_CHUNK = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one torch thread is faster and immune to a busy machine (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
