@@ -11,6 +11,7 @@
 #include "kiviAttentionPlugin.h"
 
 #include "kiviKernels.h"
+#include "kiviTestUtils.h"
 
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
@@ -23,6 +24,7 @@
 
 using namespace nvinfer1;
 using namespace trtllm_kivi;
+using trtllm_kivi::test::makeDims;
 
 namespace
 {
@@ -95,17 +97,6 @@ std::vector<__half> randomHalf(size_t n, uint32_t& state)
         x = __float2half(s * 1.7F);
     }
     return v;
-}
-
-Dims makeDims(std::vector<int64_t> const& d)
-{
-    Dims dims{};
-    dims.nbDims = static_cast<int32_t>(d.size());
-    for (size_t i = 0; i < d.size(); ++i)
-    {
-        dims.d[i] = d[i];
-    }
-    return dims;
 }
 
 //! One layer's cache: the 8 buffers in format.BUFFER_NAMES order.

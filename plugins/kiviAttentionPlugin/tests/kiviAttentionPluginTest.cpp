@@ -9,6 +9,7 @@
  */
 #include "kiviAttentionPlugin.h"
 #include "kiviAttentionPluginExports.h"
+#include "kiviTestUtils.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +21,7 @@
 
 using namespace nvinfer1;
 using namespace trtllm_kivi;
+using trtllm_kivi::test::makeDims;
 
 namespace
 {
@@ -118,17 +120,6 @@ void expectRefused(Fields f, std::vector<std::string> const& parts, int line,
     {
         check(contains(lastError(), part), "message '" + lastError() + "' contains '" + part + "'", line);
     }
-}
-
-Dims makeDims(std::vector<int64_t> const& d)
-{
-    Dims dims{};
-    dims.nbDims = static_cast<int32_t>(d.size());
-    for (size_t i = 0; i < d.size(); ++i)
-    {
-        dims.d[i] = d[i];
-    }
-    return dims;
 }
 
 //! Input dims of a step for the SmolLM2 fields: tokens T, batch B, num_blocks NB, num_slots S, table width MB.
