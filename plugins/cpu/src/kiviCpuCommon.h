@@ -63,7 +63,7 @@ struct WorkItem
 // Per-thread scratch sizes (floats) for a tile of `rows` query rows.
 static inline int64_t scratchFloats(int32_t rows, int32_t D)
 {
-    return int64_t(rows) * (6 * D + kSPLIT_LEN + 64) + 8 * D + 256;
+    return int64_t(rows) * (6 * D + 5 * (kSPLIT_LEN + 16) + 64) + 8 * (kSPLIT_LEN + 16) + 8 * D + 256;
 }
 
 // ------------------------------------------------------------------------------------ exact scalar conversions

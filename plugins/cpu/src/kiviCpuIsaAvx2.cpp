@@ -14,6 +14,19 @@ alignas(32) static const int32_t kShift2[2][8] = {{0, 2, 4, 6, 8, 10, 12, 14}, {
 alignas(32) static const int32_t kShift4[8] = {0, 4, 8, 12, 16, 20, 24, 28};
 alignas(32) static const int32_t kShift8[8] = {0, 8, 16, 24, 0, 8, 16, 24};
 
+// 2-bit codes: byte b -> its 4 codes as floats (one 16-byte load per 4 codes instead of shift/mask/convert).
+struct Lut2
+{
+    alignas(64) float v[256][4];
+    Lut2()
+    {
+        for (int b = 0; b < 256; ++b)
+            for (int i = 0; i < 4; ++i)
+                v[b][i] = float((b >> (2 * i)) & 3);
+    }
+};
+static const Lut2 kLut2;
+
 struct S
 {
     static constexpr int W = 8;
@@ -51,6 +64,17 @@ struct S
         s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
         return _mm_cvtss_f32(s);
     }
+    static void hsum4(F a, F b, F c, F d, float* out)
+    {
+        const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+        _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+    }
+    static float scale(const void* base, int64_t i, int32_t dtype)
+    {
+        if (dtype == kiviCpuFloat16)
+            return _cvtsh_ss(static_cast<const uint16_t*>(base)[i]);
+        return loadScalar(base, i, dtype);
+    }
     // The scalar formula of kernel::expScalar, lane-wise.
     static F exp(F x)
     {
@@ -80,10 +104,10 @@ struct S
         __m256i w, sh;
         if (BITS == 2)
         {
-            w = _mm256_set1_epi32(p[int64_t(part >> 1) * stride]);
-            sh = _mm256_load_si256(reinterpret_cast<const __m256i*>(kShift2[part & 1]));
+            const uint8_t* b = reinterpret_cast<const uint8_t*>(p + int64_t(part >> 1) * stride) + (part & 1) * 2;
+            return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_load_ps(kLut2.v[b[0]])), _mm_load_ps(kLut2.v[b[1]]), 1);
         }
-        else if (BITS == 4)
+        if (BITS == 4)
         {
             w = _mm256_set1_epi32(p[int64_t(part) * stride]);
             sh = _mm256_load_si256(reinterpret_cast<const __m256i*>(kShift4));

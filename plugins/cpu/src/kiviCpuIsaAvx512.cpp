@@ -56,6 +56,18 @@ struct S
         s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
         return _mm_cvtss_f32(s);
     }
+    static __m256 half(F x) { return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1)); }
+    static void hsum4(F a, F b, F c, F d, float* out)
+    {
+        const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(half(a), half(b)), _mm256_hadd_ps(half(c), half(d)));
+        _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+    }
+    static float scale(const void* base, int64_t i, int32_t dtype)
+    {
+        if (dtype == kiviCpuFloat16)
+            return _cvtsh_ss(static_cast<const uint16_t*>(base)[i]);
+        return loadScalar(base, i, dtype);
+    }
     static F exp(F x)
     {
         const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);

@@ -92,6 +92,14 @@ struct S
             m = x.v[i] > m ? x.v[i] : m;
         return m;
     }
+    static void hsum4(F a, F b, F c, F d, float* out)
+    {
+        out[0] = hsum(a);
+        out[1] = hsum(b);
+        out[2] = hsum(c);
+        out[3] = hsum(d);
+    }
+    static float scale(const void* base, int64_t i, int32_t dtype) { return loadScalar(base, i, dtype); }
     static F exp(F x);
     template <int BITS>
     static F decode(const int32_t* p, int stride, int part)

@@ -67,10 +67,11 @@ struct Attn
         float* scores; // [rows, kSPLIT_LEN + W] scores, then p
         float* acc;    // [rows, D]
         float* zacc;   // [rows, 8] per value group: sum_t p_t * zero
-        float* coef;   // [rows, 8] p_t * value scale of the current token
+        float* coef;   // [4, rows, kSPLIT_LEN + 16] p_t * value scale of token t, per value group
         float* state;  // [rows, D + 2] running (m, l, acc) of a sequential item
         float* part;   // [rows, D + 2] one split's partial
-        float* kdeq;   // [D] a dequantized per-token key row
+        float* kdeq;   // [4, kSPLIT_LEN + 16] a dequantized per-token key row / value scales (group-major)
+        float* vsz;    // [4, kSPLIT_LEN + 16] value zeros (group-major)
         float* ksc;    // [D] per-channel key scale of the current group
         float* kzr;    // [D]
     };
@@ -85,10 +86,11 @@ struct Attn
         s.acc = s.scores + int64_t(rows) * (kSPLIT_LEN + 16);
         s.zacc = s.acc + rows * D;
         s.coef = s.zacc + rows * 8;
-        s.state = s.coef + rows * 8;
+        s.state = s.coef + int64_t(4) * rows * (kSPLIT_LEN + 16);
         s.part = s.state + rows * (D + 2);
         s.kdeq = s.part + rows * (D + 2);
-        s.ksc = s.kdeq + D;
+        s.vsz = s.kdeq + 4 * (kSPLIT_LEN + 16);
+        s.ksc = s.vsz + 4 * (kSPLIT_LEN + 16);
         s.kzr = s.ksc + D;
         return s;
     }
@@ -111,6 +113,35 @@ struct Attn
             }
     }
 
+    // Scores of per-channel quantized keys: one kK_TILE-token tile for NR rows (accumulators stay in registers).
+    template <int BITS, int NR>
+    static void keyTile(const int32_t* wp, const float* qs, const float* cz, float* scores)
+    {
+        // two accumulator sets (even / odd channels) when registers allow: the fma latency chain is halved
+        constexpr int NA = (NR * KV <= 6) ? 2 : 1;
+        typename S::F acc[NA][NR][KV];
+        for (int h = 0; h < NA; ++h)
+            for (int i = 0; i < NR; ++i)
+                for (int v = 0; v < KV; ++v)
+                    acc[h][i][v] = h == 0 ? S::set1(cz[i]) : S::zero();
+        for (int d = 0; d < D; d += NA)
+            for (int h = 0; h < NA; ++h)
+            {
+                typename S::F code[KV];
+                for (int v = 0; v < KV; ++v)
+                    code[v] = S::template decode<BITS>(wp + d + h, D, v);
+                for (int i = 0; i < NR; ++i)
+                {
+                    const typename S::F qd = S::set1(qs[i * D + d + h]);
+                    for (int v = 0; v < KV; ++v)
+                        acc[h][i][v] = S::fma(qd, code[v], acc[h][i][v]);
+                }
+            }
+        for (int i = 0; i < NR; ++i)
+            for (int v = 0; v < KV; ++v)
+                S::store(scores + int64_t(i) * scoreStride() + v * W, NA == 2 ? S::add(acc[0][i][v], acc[NA - 1][i][v]) : acc[0][i][v]);
+    }
+
     // Scores of per-channel quantized keys [t0, t0 + G) (one group, one block) for all rows.
     template <int BITS>
     static void scoresPerChannel(const Ctx& c, const SeqPlan& sp, int g, int rows, int t0, int a, Scratch& s)
@@ -119,10 +150,10 @@ struct Attn
         const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + t0 / c.BS];
         const int32_t r = t0 % c.BS;
         const int64_t sOff = ((int64_t(blk) * c.Hkv + g) * (c.BS / c.G) + r / c.G) * D;
-        for (int d = 0; d < D; ++d)
+        for (int n = 0; n < NV; ++n)
         {
-            s.ksc[d] = loadScalar(c.kScale, sOff + d, c.scaleDtype);
-            s.kzr[d] = loadScalar(c.kZero, sOff + d, c.scaleDtype);
+            S::store(s.ksc + n * W, S::loadAct(c.kScale, sOff + n * W, c.scaleDtype));
+            S::store(s.kzr + n * W, S::loadAct(c.kZero, sOff + n * W, c.scaleDtype));
         }
         for (int row = 0; row < rows; ++row)
         {
@@ -143,28 +174,16 @@ struct Attn
             const int32_t* wp = words + int64_t((r + t1 - t0) / CPW) * D; // first word row of the tile
             for (int r0 = 0; r0 < rows; r0 += RB)
             {
-                const int nr = imin(RB, rows - r0);
-                typename S::F acc[RB][KV];
-                for (int i = 0; i < RB; ++i)
-                    for (int v = 0; v < KV; ++v)
-                        acc[i][v] = S::set1(i < nr ? s.cz[r0 + i] : 0.0f);
-                for (int d = 0; d < D; ++d)
+                const float* qs = s.qs + r0 * D;
+                const float* cz = s.cz + r0;
+                float* sc = s.scores + int64_t(r0) * scoreStride() + (t1 - a);
+                switch (imin(RB, rows - r0))
                 {
-                    typename S::F code[KV];
-                    for (int v = 0; v < KV; ++v)
-                        code[v] = S::template decode<BITS>(wp + d, D, v);
-                    for (int i = 0; i < RB; ++i)
-                    {
-                        if (i >= nr)
-                            break;
-                        typename S::F qd = S::set1(s.qs[(r0 + i) * D + d]);
-                        for (int v = 0; v < KV; ++v)
-                            acc[i][v] = S::fma(qd, code[v], acc[i][v]);
-                    }
+                case 1: keyTile<BITS, 1>(wp, qs, cz, sc); break;
+                case 2: keyTile<BITS, 2>(wp, qs, cz, sc); break;
+                case 3: keyTile<BITS, 3>(wp, qs, cz, sc); break;
+                default: keyTile<BITS, 4>(wp, qs, cz, sc); break;
                 }
-                for (int i = 0; i < nr; ++i)
-                    for (int v = 0; v < KV; ++v)
-                        S::store(s.scores + int64_t(r0 + i) * scoreStride() + (t1 - a) + v * W, acc[i][v]);
             }
         }
     }
@@ -195,91 +214,203 @@ struct Attn
         }
     }
 
+    // NR rows x TT tokens of full-precision key scores; row-t dot products reduced together (hsum4).
+    template <int NR, int TT, class RowOff>
+    static void fullKeyBlock(const void* base, int32_t dtype, RowOff rowOff, const float* q, int t, float* scores)
+    {
+        typename S::F acc[NR][TT];
+        for (int i = 0; i < NR; ++i)
+            for (int j = 0; j < TT; ++j)
+                acc[i][j] = S::zero();
+        int64_t off[TT];
+        for (int j = 0; j < TT; ++j)
+            off[j] = rowOff(t + j);
+        for (int n = 0; n < NV; ++n)
+            for (int j = 0; j < TT; ++j)
+            {
+                const typename S::F kv = S::loadAct(base, off[j] + n * W, dtype);
+                for (int i = 0; i < NR; ++i)
+                    acc[i][j] = S::fma(S::load(q + i * D + n * W), kv, acc[i][j]);
+            }
+        for (int i = 0; i < NR; ++i)
+        {
+            float* sc = scores + int64_t(i) * scoreStride();
+            if (TT == 4)
+                S::hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sc);
+            else
+                for (int j = 0; j < TT; ++j)
+                    sc[j] = S::hsum(acc[i][j]);
+        }
+    }
+
     // Scores of full-precision keys t in [t0, t1), row t at `base + rowOff(t)` in `dtype`.
     template <class RowOff>
     static void scoresFull(const void* base, int32_t dtype, RowOff rowOff, int rows, int t0, int t1, int a,
         Scratch& s)
     {
-        for (int t = t0; t < t1; ++t)
+        for (int r0 = 0; r0 < rows; r0 += 3)
         {
-            const int64_t off = rowOff(t);
-            typename S::F kv[NV];
-            for (int n = 0; n < NV; ++n)
-                kv[n] = S::loadAct(base, off + n * W, dtype);
-            for (int row = 0; row < rows; ++row)
+            const int nr = imin(3, rows - r0);
+            const float* q = s.qf + r0 * D;
+            float* sc = s.scores + int64_t(r0) * scoreStride() - a;
+            int t = t0;
+            for (; t + 4 <= t1; t += 4)
             {
-                const float* q = s.qf + row * D;
-                typename S::F acc0 = S::zero(), acc1 = S::zero();
-                for (int n = 0; n + 1 < NV; n += 2)
-                {
-                    acc0 = S::fma(S::load(q + n * W), kv[n], acc0);
-                    acc1 = S::fma(S::load(q + (n + 1) * W), kv[n + 1], acc1);
-                }
-                if (NV % 2)
-                    acc0 = S::fma(S::load(q + (NV - 1) * W), kv[NV - 1], acc0);
-                s.scores[int64_t(row) * scoreStride() + (t - a)] = S::hsum(S::add(acc0, acc1));
+                if (nr == 3)
+                    fullKeyBlock<3, 4>(base, dtype, rowOff, q, t, sc + t);
+                else if (nr == 2)
+                    fullKeyBlock<2, 4>(base, dtype, rowOff, q, t, sc + t);
+                else
+                    fullKeyBlock<1, 4>(base, dtype, rowOff, q, t, sc + t);
+            }
+            for (; t < t1; ++t)
+            {
+                if (nr == 3)
+                    fullKeyBlock<3, 1>(base, dtype, rowOff, q, t, sc + t);
+                else if (nr == 2)
+                    fullKeyBlock<2, 1>(base, dtype, rowOff, q, t, sc + t);
+                else
+                    fullKeyBlock<1, 1>(base, dtype, rowOff, q, t, sc + t);
             }
         }
     }
 
-    // acc += p_t * dequant(v_t) for per-token quantized values t in [t0, t1).
-    template <int BITS>
-    static void valuesQuantized(const Ctx& c, const SeqPlan& sp, int g, int rows, int t0, int t1, int a, Scratch& s)
+    static constexpr int NC = 2; // full-precision value vectors (channels) per register block
+    static constexpr int QNC = 32 / W; // quantized value vectors per register block: 32 channels, inside one group
+    static constexpr int QRB = 3;      // rows per quantized value block (3 x QNC accumulators + code + coefs)
+
+    // acc[NR rows][QNC vectors of channels n0..] += coef[row][t] * code(t) over quantized values [t0, t1).
+    template <int BITS, int NR>
+    static void valueBlock(const Ctx& c, const SeqPlan& sp, int g, int t0, int t1, int n0, const float* coef,
+        float* acc)
     {
         constexpr int CPW = 32 / BITS;
-        const int ng = D / c.Gv;
-        const int vpg = c.Gv / W; // vectors per value group
-        for (int t = t0; t < t1; ++t)
+        typename S::F a[NR][QNC];
+        for (int i = 0; i < NR; ++i)
+            for (int j = 0; j < QNC; ++j)
+                a[i][j] = S::load(acc + i * D + (n0 + j) * W);
+        const int64_t headBase = int64_t(sp.seq) * c.maxBlocks;
+        for (int t = t0; t < t1;)
         {
-            const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + t / c.BS];
-            const int64_t rowIdx = (int64_t(blk) * c.Hkv + g) * c.BS + t % c.BS;
-            const int32_t* words = c.vCodes + rowIdx * (D / CPW);
-            float vs[8], vz[8];
-            for (int gi = 0; gi < ng; ++gi)
+            const int32_t blk = c.blockTable[headBase + t / c.BS];
+            const int tEnd = imin(t1, (t / c.BS + 1) * c.BS);
+            const int32_t* words = c.vCodes + ((int64_t(blk) * c.Hkv + g) * c.BS + t % c.BS) * (D / CPW);
+            for (; t < tEnd; ++t, words += D / CPW)
             {
-                vs[gi] = loadScalar(c.vScale, rowIdx * ng + gi, c.scaleDtype);
-                vz[gi] = loadScalar(c.vZero, rowIdx * ng + gi, c.scaleDtype);
-            }
-            for (int row = 0; row < rows; ++row)
-            {
-                const float p = s.scores[int64_t(row) * scoreStride() + (t - a)];
-                for (int gi = 0; gi < ng; ++gi)
+                typename S::F cf[NR];
+                for (int i = 0; i < NR; ++i)
+                    cf[i] = S::set1(coef[int64_t(i) * scoreStride() + t]);
+                for (int j = 0; j < QNC; ++j)
                 {
-                    s.coef[row * 8 + gi] = p * vs[gi];
-                    s.zacc[row * 8 + gi] += p * vz[gi];
-                }
-            }
-            for (int n = 0; n < NV; ++n)
-            {
-                const typename S::F code = S::template decode<BITS>(words, 1, n);
-                const int gi = n / vpg;
-                for (int row = 0; row < rows; ++row)
-                {
-                    float* accp = s.acc + row * D + n * W;
-                    S::store(accp, S::fma(S::set1(s.coef[row * 8 + gi]), code, S::load(accp)));
+                    const typename S::F code = S::template decode<BITS>(words, 1, n0 + j);
+                    for (int i = 0; i < NR; ++i)
+                        a[i][j] = S::fma(cf[i], code, a[i][j]);
                 }
             }
         }
+        for (int i = 0; i < NR; ++i)
+            for (int j = 0; j < QNC; ++j)
+                S::store(acc + i * D + (n0 + j) * W, a[i][j]);
+    }
+
+    // acc += p_t * dequant(v_t) for per-token quantized values t in [t0, t1): coef = p_t * scale per token and
+    // group, zacc = sum_t p_t * zero per group (added once at the end of the split).
+    template <int BITS>
+    static void valuesQuantized(const Ctx& c, const SeqPlan& sp, int g, int rows, int t0, int t1, int a, Scratch& s)
+    {
+        const int ng = D / c.Gv;
+        const int span = t1 - t0, spanPad = (span + W - 1) / W * W;
+        float* vsf = s.kdeq; // reuse: [ng][kSPLIT_LEN + 16] scales, then zeros, transposed (group-major)
+        float* vzf = s.vsz;
+        for (int t = t0; t < t1;)
+        {
+            const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + t / c.BS];
+            const int tEnd = imin(t1, (t / c.BS + 1) * c.BS);
+            int64_t idx = ((int64_t(blk) * c.Hkv + g) * c.BS + t % c.BS) * ng;
+            for (; t < tEnd; ++t)
+                for (int gi = 0; gi < ng; ++gi, ++idx)
+                {
+                    vsf[gi * scoreStride() + (t - t0)] = S::scale(c.vScale, idx, c.scaleDtype);
+                    vzf[gi * scoreStride() + (t - t0)] = S::scale(c.vZero, idx, c.scaleDtype);
+                }
+        }
+        for (int gi = 0; gi < ng; ++gi)
+            for (int t = span; t < spanPad; ++t)
+                vsf[gi * scoreStride() + t] = vzf[gi * scoreStride() + t] = 0.0f;
+        for (int gi = 0; gi < ng; ++gi)
+            for (int row = 0; row < rows; ++row)
+            {
+                const float* p = s.scores + int64_t(row) * scoreStride() + (t0 - a);
+                float* cf = s.coef + (int64_t(gi) * rows + row) * scoreStride() + (t0 - a);
+                typename S::F z = S::zero();
+                for (int t = 0; t < spanPad; t += W)
+                {
+                    const typename S::F pv = S::load(p + t);
+                    S::store(cf + t, S::mul(pv, S::load(vsf + gi * scoreStride() + t)));
+                    z = S::fma(pv, S::load(vzf + gi * scoreStride() + t), z);
+                }
+                s.zacc[row * 8 + gi] += S::hsum(z);
+            }
+        for (int n0 = 0; n0 < NV; n0 += QNC)
+        {
+            const int gi = n0 * W / c.Gv;
+            for (int r0 = 0; r0 < rows; r0 += QRB)
+            {
+                const float* coef = s.coef + (int64_t(gi) * rows + r0) * scoreStride() - a;
+                float* acc = s.acc + r0 * D;
+                switch (imin(QRB, rows - r0))
+                {
+                case 1: valueBlock<BITS, 1>(c, sp, g, t0, t1, n0, coef, acc); break;
+                case 2: valueBlock<BITS, 2>(c, sp, g, t0, t1, n0, coef, acc); break;
+                default: valueBlock<BITS, 3>(c, sp, g, t0, t1, n0, coef, acc); break;
+                }
+            }
+        }
+    }
+
+    template <int NR, class RowOff>
+    static void fullValueBlock(const void* base, int32_t dtype, RowOff rowOff, int t0, int t1, int n0,
+        const float* p, float* acc)
+    {
+        typename S::F a[NR][NC];
+        for (int i = 0; i < NR; ++i)
+            for (int j = 0; j < NC; ++j)
+                a[i][j] = S::load(acc + i * D + (n0 + j) * W);
+        for (int t = t0; t < t1; ++t)
+        {
+            const int64_t off = rowOff(t);
+            typename S::F vv[NC];
+            for (int j = 0; j < NC; ++j)
+                vv[j] = S::loadAct(base, off + (n0 + j) * W, dtype);
+            for (int i = 0; i < NR; ++i)
+            {
+                const typename S::F pt = S::set1(p[int64_t(i) * scoreStride() + t]);
+                for (int j = 0; j < NC; ++j)
+                    a[i][j] = S::fma(pt, vv[j], a[i][j]);
+            }
+        }
+        for (int i = 0; i < NR; ++i)
+            for (int j = 0; j < NC; ++j)
+                S::store(acc + i * D + (n0 + j) * W, a[i][j]);
     }
 
     template <class RowOff>
     static void valuesFull(const void* base, int32_t dtype, RowOff rowOff, int rows, int t0, int t1, int a,
         Scratch& s)
     {
-        for (int t = t0; t < t1; ++t)
-        {
-            const int64_t off = rowOff(t);
-            typename S::F vv[NV];
-            for (int n = 0; n < NV; ++n)
-                vv[n] = S::loadAct(base, off + n * W, dtype);
-            for (int row = 0; row < rows; ++row)
+        for (int n0 = 0; n0 < NV; n0 += NC)
+            for (int r0 = 0; r0 < rows; r0 += RB)
             {
-                const typename S::F p = S::set1(s.scores[int64_t(row) * scoreStride() + (t - a)]);
-                float* accp = s.acc + row * D;
-                for (int n = 0; n < NV; ++n)
-                    S::store(accp + n * W, S::fma(p, vv[n], S::load(accp + n * W)));
+                const float* p = s.scores + int64_t(r0) * scoreStride() - a;
+                float* acc = s.acc + r0 * D;
+                switch (imin(RB, rows - r0))
+                {
+                case 1: fullValueBlock<1>(base, dtype, rowOff, t0, t1, n0, p, acc); break;
+                case 2: fullValueBlock<2>(base, dtype, rowOff, t0, t1, n0, p, acc); break;
+                case 3: fullValueBlock<3>(base, dtype, rowOff, t0, t1, n0, p, acc); break;
+                default: fullValueBlock<4>(base, dtype, rowOff, t0, t1, n0, p, acc); break;
+                }
             }
-        }
     }
 
     // The partial (m, l, acc[D]) of every row of a tile over split `split`, into s.part.
