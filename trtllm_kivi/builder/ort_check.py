@@ -1,11 +1,18 @@
-"""Run an exported graph on the CPU with onnxruntime: the KiviAttention node executes the reference op
-(trtllm_kivi.reference: the reference definition, run in place on copies of the inputs) through onnxruntime-extensions' Python custom ops.
+"""Run an exported graph on the CPU with onnxruntime: the KiviAttention node executes the op (the native CPU kernels of
+trtllm_kivi.cpu when built, else the reference definition of trtllm_kivi.reference; in place on copies of the inputs)
+through onnxruntime-extensions' Python custom ops.
 
 onnxruntime-extensions accepts Python ops in the domain ai.onnx.contrib only, with input/output types fixed at
 registration and no 16-bit floats, so `ort_model` makes a copy of the graph for onnxruntime: the KiviAttention nodes
 move to that domain, the activation dtype becomes float32 (onnxruntime's CPU kernels lack most 16-bit float ops and
 so does the Python op API) and exact Casts around each node carry the scale/zero buffers, which keep their format
 dtype as graph inputs/outputs (so the cache contents are the format the engine stores). Nothing else changes.
+
+In-place form (`ort_model(m, cache_id=...)`, what OrtRunner uses): onnxruntime-extensions hands a Python op's
+outputs back as Python lists (`tolist()` of every element), so returning every cache buffer of every layer each step
+costs seconds. Instead the nodes become KiviAttentionInPlace(q, k, v, slot_ids, past_len, chunk_len, block_table)
+-> out with `cache_id`/`layer` attributes; the op updates that layer's buffers of a cache registered with
+`register_cache` in place (what TensorRT does with aliased plugin I/O) and the past.*/present.* graph I/O is dropped.
 """
 
 from __future__ import annotations
@@ -21,12 +28,25 @@ from onnx import TensorProto, numpy_helper
 from ..plugin import FIELD_NAMES, PLUGIN_NAME, config_from_fields
 from ..reference.attention import KiviBuffers, kivi_attention_
 from ..format import BUFFER_NAMES
-from .onnx_export import DOMAIN, ONNX_DTYPES, OPSET
+from .onnx_export import DOMAIN, ONNX_DTYPES, OPSET, cache_io_names
 
 ORT_DOMAIN = "ai.onnx.contrib"
 _FLOAT16S = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 ORT_SCALE_DTYPES = ("float16", "float32")  # what numpy (hence a runner's feeds) can hold
 _SCALE_BUFFERS = ("k_scale", "k_zero", "v_scale", "v_zero")
+INPLACE_OP = PLUGIN_NAME + "InPlace"
+_CACHES: dict[int, list[KiviBuffers]] = {}  # cache_id -> every layer's buffers (register_cache)
+
+
+def register_cache(layers: list[KiviBuffers]) -> int:
+    """Make a runner's per-layer buffers reachable by the in-place op; returns the id for ort_model(cache_id=)."""
+    cache_id = len(_CACHES) + 1
+    _CACHES[cache_id] = layers
+    return cache_id
+
+
+def unregister_cache(cache_id: int) -> None:
+    _CACHES.pop(cache_id, None)
 
 
 @functools.cache
@@ -42,6 +62,24 @@ def register_ops() -> None:
     bufs = [i32, f32, f32, i32, f32, f32, f32, f32]  # BUFFER_NAMES order
     onnx_op(op_type=PLUGIN_NAME, inputs=[f32, f32, f32, i32, i32, i32, i32] + bufs, outputs=[f32] + bufs,
             attrs=attrs)(_kivi_attention_op)
+    onnx_op(op_type=INPLACE_OP, inputs=[f32, f32, f32, i32, i32, i32, i32], outputs=[f32],
+            attrs=attrs | {"cache_id": PyCustomOpDef.dt_int64, "layer": PyCustomOpDef.dt_int64})(_kivi_inplace_op)
+
+
+def _kivi_inplace_op(q, k, v, slot_ids, past_len, chunk_len, block_table, **attrs):
+    """The op on the registered cache's buffers of `layer`, in place; returns out only."""
+    cfg, *_ = config_from_fields({n: int(attrs[n]) for n in FIELD_NAMES})
+    bufs = _CACHES[int(attrs["cache_id"])][int(attrs["layer"])]
+    t = [torch.from_numpy(np.asarray(a)) for a in (q, k, v, slot_ids, past_len, chunk_len, block_table)]
+    op = _native_op(t[0].shape[-1])
+    if op is not None:
+        return op(*t, bufs, cfg, threads=torch.get_num_threads()).numpy()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return kivi_attention_(*t, bufs, cfg).numpy()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _kivi_attention_op(q, k, v, slot_ids, past_len, chunk_len, block_table, *buffers, **attrs):
@@ -56,15 +94,32 @@ def _kivi_attention_op(q, k, v, slot_ids, past_len, chunk_len, block_table, *buf
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        out = kivi_attention_(*t, bufs, cfg)
+        if _native_op(t[0].shape[-1]) is not None:  # onnxruntime's own threads idle while the Python op runs
+            out = _native_op(t[0].shape[-1])(*t, bufs, cfg, threads=threads)
+        else:
+            out = kivi_attention_(*t, bufs, cfg)
     finally:
         torch.set_num_threads(threads)
     return (out.numpy(), *(b.numpy().astype(np.float32) if n in _SCALE_BUFFERS else b.numpy()
                            for n, b in zip(BUFFER_NAMES, bufs)))
 
 
-def ort_model(m: onnx.ModelProto) -> onnx.ModelProto:
-    """The onnxruntime copy of an exported graph (see the module docstring); `m` is not modified."""
+@functools.cache
+def _native_op(head_dim: int):
+    """trtllm_kivi.cpu's kivi_attention_cpu_ when the native library is built and supports head_dim, else None (the
+    reference op)."""
+    from .. import cpu
+    from ..format import SUPPORTED_HEAD_DIMS
+
+    if head_dim not in SUPPORTED_HEAD_DIMS or not cpu.available():
+        return None
+    from ..cpu.ops import kivi_attention_cpu_
+    return kivi_attention_cpu_
+
+
+def ort_model(m: onnx.ModelProto, cache_id: int | None = None) -> onnx.ModelProto:
+    """The onnxruntime copy of an exported graph (see the module docstring); `m` is not modified. With cache_id
+    (register_cache), the in-place form."""
     m = copy.deepcopy(m)
     g = m.graph
     nodes = [n for n in g.node if n.op_type == PLUGIN_NAME and n.domain == DOMAIN]
@@ -90,10 +145,33 @@ def ort_model(m: onnx.ModelProto) -> onnx.ModelProto:
         for a in n.attribute:
             if n.op_type == "Cast" and a.name == "to" and a.i in _FLOAT16S:
                 a.i = TensorProto.FLOAT
-    _cast_scale_buffers(g, ONNX_DTYPES[cfg.scale_dtype])
+    if cache_id is None:
+        _cast_scale_buffers(g, ONNX_DTYPES[cfg.scale_dtype])
+    else:
+        _make_inplace(g, nodes, cache_id)
     del m.opset_import[:]
     m.opset_import.extend([onnx.helper.make_opsetid("", OPSET), onnx.helper.make_opsetid(ORT_DOMAIN, 1)])
     return m
+
+
+def _make_inplace(g: onnx.GraphProto, nodes: list, cache_id: int) -> None:
+    """KiviAttention nodes -> KiviAttentionInPlace (7 inputs, 1 output, cache_id/layer attributes); drop the cache
+    graph inputs/outputs."""
+    layer_of = {cache_io_names(i)[0][0]: i for i in range(len(nodes))}
+    dropped = set()
+    for n in nodes:
+        if n.input[7] not in layer_of:
+            raise ValueError(f"{n.name}: cache input {n.input[7]} is not a past.<layer>.k_codes graph input")
+        dropped |= set(n.input[7:]) | set(n.output[1:])
+        n.op_type = INPLACE_OP
+        n.attribute.extend([onnx.helper.make_attribute("cache_id", cache_id),
+                            onnx.helper.make_attribute("layer", layer_of[n.input[7]])])
+        del n.input[7:]
+        del n.output[1:]
+    for coll in (g.input, g.output, g.value_info):
+        keep = [vi for vi in coll if vi.name not in dropped]
+        del coll[:]
+        coll.extend(keep)
 
 
 def _cast_scale_buffers(g: onnx.GraphProto, sz: int) -> None:
@@ -122,8 +200,8 @@ def _to_float32(init: TensorProto) -> np.ndarray:
     return numpy_helper.to_array(init).astype(np.float32)
 
 
-def session(m: onnx.ModelProto, threads: int | None = None):
-    """An onnxruntime CPU session for an exported graph (converted with ort_model)."""
+def session(m: onnx.ModelProto, threads: int | None = None, cache_id: int | None = None):
+    """An onnxruntime CPU session for an exported graph (converted with ort_model; in place with cache_id)."""
     import onnxruntime as ort
     from onnxruntime_extensions import get_library_path
 
@@ -134,5 +212,5 @@ def session(m: onnx.ModelProto, threads: int | None = None):
         so.intra_op_num_threads = threads
     so.log_severity_level = 3
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle threads sleep: fair on shared CPUs
-    return ort.InferenceSession(ort_model(m).SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(ort_model(m, cache_id).SerializeToString(), so, providers=["CPUExecutionProvider"])
 

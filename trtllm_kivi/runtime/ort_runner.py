@@ -1,6 +1,7 @@
 """The onnxruntime runner: an exported graph (trtllm_kivi.builder) on the CPU, its KiviAttention nodes running the
-reference op. The runner owns the cache as a KiviCache (same slot/block bookkeeping as the torch runner), feeds every
-buffer to the graph as past.* each step and copies the present.* outputs back into it."""
+op (native CPU kernels when built, else the reference). The runner owns the cache as a KiviCache (same slot/block
+bookkeeping as the torch runner); the graph's attention nodes update its buffers in place (ort_check's in-place
+form: no per-step copy of the cache through onnxruntime)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import numpy as np
 import onnx
 import torch
 
-from ..builder.onnx_export import ExportSpec, cache_io_names, model_metadata
-from ..builder.ort_check import session
+from ..builder.onnx_export import ExportSpec, model_metadata
+from ..builder.ort_check import register_cache, session, unregister_cache
 from ..cache import KiviCache
 from ..format import FORMAT_VERSION, Geometry, KiviConfig
 from ..plugin import FIELD_NAMES, PLUGIN_NAME, config_from_fields
@@ -59,22 +60,19 @@ class OrtRunner(CacheRunner):
         if self.cache.max_blocks_per_seq != meta["max_blocks_per_seq"]:
             raise ValueError(f"graph block table width {meta['max_blocks_per_seq']} != KiviCache's "
                              f"{self.cache.max_blocks_per_seq}")
-        self.session = session(m, threads)
+        self._cache_id = register_cache(self.cache.layers)
+        self.session = session(m, threads, self._cache_id)
         self._outputs = [o.name for o in self.session.get_outputs()]
+
+    def __del__(self) -> None:
+        unregister_cache(getattr(self, "_cache_id", 0))
 
 
     def step(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], all_logits: bool = False) -> torch.Tensor:
         self.check_tokens(slots, tokens, self.spec.max_num_tokens)
         st = self.cache.begin_step(list(slots), [len(t) for t in tokens])
         feeds = step_feeds(st, tokens, all_logits)
-        for layer, bufs in enumerate(self.cache.layers):
-            past, _ = cache_io_names(layer)
-            feeds |= {n: t.numpy() for n, t in zip(past, bufs)}
-        outs = dict(zip(self._outputs, self.session.run(None, feeds)))
-        for layer, bufs in enumerate(self.cache.layers):  # present.* -> the runner's buffers
-            _, present = cache_io_names(layer)
-            for n, t in zip(present, bufs):
-                np.copyto(t.numpy(), outs[n])  # numpy: single-threaded, no torch thread-pool start-up per copy
+        outs = dict(zip(self._outputs, self.session.run(None, feeds)))  # the cache is updated in place
         self.cache.end_step(st)
         return torch.from_numpy(outs["logits"])
 
