@@ -69,9 +69,9 @@ def test_a_stale_memo_would_be_caught(tiny):
 
 def test_backend_choice_and_errors():
     assert set(BACKENDS) >= {"reference", "memo", "cuda"}
-    assert default_backend(KIVI2, "cpu") in ("memo", "cpu")  # the fastest available on the CPU
-    assert KiviCache(KIVI2, GEOM, 1, 64, torch.float32).backend_name == default_backend(KIVI2, "cpu")
-    assert resolve_backend("auto", KIVI2, "cpu") == default_backend(KIVI2, "cpu")
+    assert default_backend(KIVI2, "cpu", torch.float32) in ("memo", "cpu")  # the fastest available on the CPU
+    assert KiviCache(KIVI2, GEOM, 1, 64, torch.float32).backend_name == default_backend(KIVI2, "cpu", torch.float32)
+    assert resolve_backend("auto", KIVI2, "cpu", torch.float32) == default_backend(KIVI2, "cpu", torch.float32)
     with pytest.raises(ValueError, match=r"attention backend 'cuda' cannot serve this cache: the cuda backend "
                        r"needs a CUDA device; the cache is on cpu"):
         KiviCache(KIVI2, GEOM, 1, 64, torch.float32, backend="cuda")

@@ -173,7 +173,7 @@ def test_cuda_matches_cpu(model, kv):
     tokens = [list(range(1, 40)), [3, 4, 5]]
     outs = []
     for m in (model, gpu):
-        r = TorchRunner.create(m, kv, 2, 64)
+        r = TorchRunner.create(m, kv, 2, 64, backend="reference")
         slots = [r.add_sequence(), r.add_sequence()]
         outs.append(torch.cat([r.step(slots, tokens, all_logits=True), r.step(slots, [[7], [8]])]).cpu())
     torch.testing.assert_close(outs[1], outs[0], atol=1e-3, rtol=1e-3)

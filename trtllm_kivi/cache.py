@@ -160,8 +160,8 @@ class AttentionBackend(ABC):
         self.cache = cache
 
     @classmethod
-    def unavailable(cls, cfg: KiviConfig, device: torch.device) -> str | None:
-        """Why this backend cannot serve `cfg` on `device` (None: it can)."""
+    def unavailable(cls, cfg: KiviConfig, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why this backend cannot serve `cfg` with `dtype` activations on `device` (None: it can)."""
         return None
 
     @abstractmethod
@@ -253,9 +253,11 @@ class CudaBackend(AttentionBackend):
     name = "cuda"
 
     @classmethod
-    def unavailable(cls, cfg: KiviConfig, device: torch.device) -> str | None:
+    def unavailable(cls, cfg: KiviConfig, device: torch.device, dtype: torch.dtype) -> str | None:
         if device.type != "cuda":
             return f"the cuda backend needs a CUDA device; the cache is on {device}"
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"the CUDA kernels take float16 or bfloat16 activations; the cache holds {dtype}"
         from .cuda import find_library
 
         if find_library() is None:
@@ -285,23 +287,24 @@ def register_backend(cls: type[AttentionBackend]) -> None:
     BACKENDS[cls.name] = cls
 
 
-def default_backend(cfg: KiviConfig, device: str | torch.device) -> str:
+def default_backend(cfg: KiviConfig, device: str | torch.device, dtype: torch.dtype = torch.float16) -> str:
     """The fastest backend available for `cfg` on `device`: cuda on a CUDA device (when built), else memo."""
     device = torch.device(device)
     for name in ("cuda", "cpu"):
-        if name in BACKENDS and BACKENDS[name].unavailable(cfg, device) is None:
+        if name in BACKENDS and BACKENDS[name].unavailable(cfg, device, dtype) is None:
             return name
     return "memo"
 
 
-def resolve_backend(name: str | None, cfg: KiviConfig, device: str | torch.device) -> str:
+def resolve_backend(name: str | None, cfg: KiviConfig, device: str | torch.device,
+                    dtype: torch.dtype = torch.float16) -> str:
     """A --attention-backend choice ("auto"/None = default_backend) checked for `cfg` on `device`."""
     if name in (None, "auto"):
-        return default_backend(cfg, device)
+        return default_backend(cfg, device, dtype)
     if name not in BACKENDS:
         allowed = ", ".join(["auto", *BACKENDS])
         raise ValueError(f"attention backend {name!r} is not available; allowed: {allowed}")
-    why = BACKENDS[name].unavailable(cfg, torch.device(device))
+    why = BACKENDS[name].unavailable(cfg, torch.device(device), dtype)
     if why:
         raise ValueError(f"attention backend {name!r} cannot serve this cache: {why}")
     return name
@@ -320,7 +323,7 @@ class KiviCache(KVCache):
         super().__init__(geom, max_slots, max_seq_len, dtype, device)
         cfg.check_head_dim(geom.head_dim)
         self.cfg = self.kivi_config = cfg
-        self.backend: AttentionBackend = BACKENDS[resolve_backend(backend, cfg, self.device)](self)
+        self.backend: AttentionBackend = BACKENDS[resolve_backend(backend, cfg, self.device, dtype)](self)
         self.max_blocks_per_seq = cfg.max_blocks_per_seq(max_seq_len)
         self.num_blocks = max_slots * self.max_blocks_per_seq if num_blocks is None else num_blocks
         if self.num_blocks <= 0:
