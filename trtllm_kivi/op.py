@@ -172,7 +172,7 @@ class GraphInfo:
                 "dtype": self.spec.dtype, "vocab_size": self.vocab_size}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GraphInfo":
+    def from_dict(cls, d: dict) -> GraphInfo:
         m = d["maxima"]
         info = cls(KiviConfig.from_dict(d["kivi_config"]), Geometry(**d["geometry"]),
                    ExportSpec(canonical_dtype(d["dtype"]), m["max_batch_size"], m["max_seq_len"],

@@ -29,7 +29,7 @@ from onnx import TensorProto, helper
 
 from ..format import BUFFER_NAMES, KiviConfig, buffer_dtypes, buffer_shapes
 from ..op import (DOMAIN, FIELD_NAMES, GRAPH_DTYPES, LOGITS, OPSET, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION,
-                  STEP_INPUTS, ExportSpec, GraphInfo, cache_io_names, plugin_fields)
+                  ExportSpec, GraphInfo, cache_io_names, plugin_fields)
 
 SUPPORTED_DTYPES = GRAPH_DTYPES
 ONNX_DTYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16, "float32": TensorProto.FLOAT,

@@ -12,8 +12,7 @@ import os
 from pathlib import Path
 
 from ..format import DTYPE_NAMES
-from ..op import BUILD_DIR as DEFAULT_BUILD_DIR
-from ..op import REPO_ROOT, find_library as _find
+from ..op import find_library as _find
 from ..op import library_candidates as _candidates
 
 LIB_NAME = "libtrtllm_kivi_kernels.so"

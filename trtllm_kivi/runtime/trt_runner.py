@@ -10,7 +10,8 @@ execute_async_v3); not run on any machine of this project (no TensorRT here): th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -26,6 +27,7 @@ class TrtRunner(CacheRunner):
     """Runner over DIR/model.engine (built by `trtllm-kivi build` with TensorRT present)."""
 
     name = "tensorrt"
+    cache: KiviCache
 
     def __init__(self, build: str | Path | BuildFolder, device: str = "cuda", plugin_lib: str | None = None) -> None:
         import tensorrt as trt
@@ -82,9 +84,9 @@ class TrtRunner(CacheRunner):
         self.check_tokens(slots, tokens)
         chunk = [len(t) for t in tokens]
         st = self.cache.begin_step(list(slots), chunk)
-        i32 = dict(dtype=torch.int32, device=self.device)
+        i32: dict[str, Any] = dict(dtype=torch.int32, device=self.device)
         ids = torch.tensor([t for seq in tokens for t in seq], **i32)  # [T]
-        positions = torch.cat([torch.arange(p, p + c, **i32) for p, c in zip(st.past, chunk)])  # [T]
+        positions = torch.cat([torch.arange(p, p + c, **i32) for p, c in zip(st.past, chunk, strict=True)])  # [T]
         rows = (torch.arange(len(ids), **i32) if all_logits
                 else torch.tensor(chunk, **i32).cumsum(0, dtype=torch.int32) - 1)  # [B] or [T]
         inputs = {"input_ids": ids, "positions": positions, "slot_ids": st.slot_ids, "past_len": st.past_len,
