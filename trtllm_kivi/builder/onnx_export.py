@@ -11,7 +11,8 @@ One graph run is one step of a ragged batch (DESIGN.md): the tokens of B sequenc
              block_table [batch, max_blocks] int32, logit_rows [rows] int32 (rows of the step whose logits are
              wanted: each chunk's last token, or all of them), past.{layer}.{buffer} (format.BUFFER_NAMES)
     outputs  logits [rows, vocab] float32, present.{layer}.{buffer} (same shapes/dtypes as past.*; a runner binds
-             each present.* to its past.* buffer: the op updates the cache in place in TensorRT)
+             each present.* to its past.* buffer: the op updates the cache in place in TensorRT),
+             status.{layer} [1] int32 (plugin.STATUS_OUTPUT: the kernels' error bits of the step; 0 = all ran)
 
 Every floating op runs in the activation dtype except RMSNorm's statistics (fp32, like the torch model), the RoPE
 tables (fp32, cast once per step) and the logits (cast to fp32). The node's attributes are plugin.plugin_fields +
@@ -31,7 +32,7 @@ import torch
 from onnx import TensorProto, helper
 
 from ..format import BUFFER_NAMES, FORMAT_VERSION, KiviConfig, buffer_dtypes, buffer_shapes
-from ..plugin import FIELD_NAMES, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, plugin_fields
+from ..plugin import FIELD_NAMES, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, STATUS_OUTPUT, plugin_fields
 
 DOMAIN = PLUGIN_NAMESPACE  # custom-op domain of the KiviAttention nodes
 OPSET = 18
@@ -72,6 +73,11 @@ def cache_io_names(layer: int) -> tuple[list[str], list[str]]:
     return [f"past.{layer}.{n}" for n in BUFFER_NAMES], [f"present.{layer}.{n}" for n in BUFFER_NAMES]
 
 
+def status_name(layer: int) -> str:
+    """The graph output carrying one layer's KiviAttention status (plugin.STATUS_OUTPUT)."""
+    return f"{STATUS_OUTPUT}.{layer}"
+
+
 def kivi_attention_schema() -> onnx.defs.OpSchema:
     """The node's declaration (arity, types, attributes) so onnx.checker validates KiviAttention nodes."""
     S = onnx.defs.OpSchema
@@ -84,7 +90,8 @@ def kivi_attention_schema() -> onnx.defs.OpSchema:
     attrs += [S.Attribute("plugin_version", S.AttrType.STRING, "TensorRT plugin version"),
               S.Attribute("plugin_namespace", S.AttrType.STRING, "TensorRT plugin namespace")]
     return S(PLUGIN_NAME, DOMAIN, 1, doc="KIVI attention over a quantized KV cache (trtllm_kivi.reference)",
-             inputs=inputs + bufs, outputs=[S.FormalParameter("out", "T")] + bufs,
+             inputs=inputs + bufs,
+             outputs=[S.FormalParameter("out", "T")] + bufs + [S.FormalParameter(STATUS_OUTPUT, "I")],
              type_constraints=[("T", fl, "activations"), ("S", fl, "scale/zero"), ("I", [i32], "int32")],
              attributes=attrs)
 
@@ -211,8 +218,9 @@ def export_llama(model, cfg: KiviConfig, spec: ExportSpec) -> onnx.ModelProto:
         v = g.op1("Reshape", v, f"shape_h{hkv}")
         attn_name = f"attention_{i}"
         attn_out = f"{attn_name}.out"
+        outputs.append(helper.make_tensor_value_info(status_name(i), i32, [1]))
         g.op(PLUGIN_NAME, [q, k, v, "slot_ids", "past_len", "chunk_len", "block_table", *past],
-             name=attn_name, outputs=[attn_out, *present], domain=DOMAIN,
+             name=attn_name, outputs=[attn_out, *present, status_name(i)], domain=DOMAIN,
              plugin_version=PLUGIN_VERSION, plugin_namespace=PLUGIN_NAMESPACE, **fields)
         # The custom node's output shape, declared so shape inference continues past it.
         g.value_info.append(helper.make_tensor_value_info(attn_out, g.act, ["num_tokens", h, d]))
