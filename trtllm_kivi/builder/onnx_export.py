@@ -2,7 +2,7 @@
 
 Built with onnx.helper from the model's own tensors rather than torch.onnx.export: the graph is small and regular
 (per token ops on [tokens, dim] rows + one custom node per layer), we control every dtype and Cast (TensorRT 11
-networks are strongly typed), the custom node needs 15 inputs / 9 outputs with cache aliasing that a tracer would
+networks are strongly typed), the custom node needs 15 inputs / 10 outputs with cache aliasing that a tracer would
 have to be taught through a custom symbolic, and the result does not depend on the torch exporter of the day.
 
 One graph run is one step of a ragged batch (DESIGN.md): the tokens of B sequences concatenated.
