@@ -20,9 +20,9 @@ import pytest
 from trtllm_kivi import format as fmt
 from trtllm_kivi.format import KiviConfig
 from trtllm_kivi.cuda import _abi
-from trtllm_kivi.plugin import (FIELD_NAMES, KERNEL_SINK_TOKENS, MAX_SINK_TOKENS, PLUGIN_NAME, PLUGIN_NAMESPACE,
-                                PLUGIN_VERSION, ROTATIONS, STATUS_BITS, STATUS_OUTPUT, config_from_fields,
-                                describe_status, plugin_fields, rotations_from_fields)
+from trtllm_kivi.op import (FIELD_NAMES, KERNEL_SINK_TOKENS, MAX_SINK_TOKENS, PLUGIN_NAME, PLUGIN_NAMESPACE,
+                            PLUGIN_VERSION, ROTATIONS, STATUS_BITS, STATUS_OUTPUT, config_from_fields,
+                            describe_status, plugin_fields, rotations_from_fields)
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_DIR = ROOT / "plugins" / "kiviAttentionPlugin"
@@ -118,7 +118,7 @@ def test_issue11_fields_round_trip_and_refusals():
 
 
 def test_status_bits_are_the_kernels_error_bits():
-    # plugin.py names the bits the plugin's status output carries: kiviParams.h's KiviErrorBits (via _abi).
+    # op.py names the bits the plugin's status output carries: kiviParams.h's KiviErrorBits (via _abi).
     assert STATUS_BITS.keys() == {_abi.ERR_LENGTH, _abi.ERR_CAPACITY, _abi.ERR_SLOT, _abi.ERR_BLOCK_ID}
     header = (ROOT / "plugins" / "kernels" / "include" / "kiviParams.h").read_text()
     assert dict(re.findall(r"(kKIVI_ERR_\w+) = (\d+),", header)) == {

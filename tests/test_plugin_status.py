@@ -1,4 +1,4 @@
-"""The KiviAttention status output (plugin.STATUS_OUTPUT): one int32 per layer and step carrying the kernels'
+"""The KiviAttention status output (op.STATUS_OUTPUT): one int32 per layer and step carrying the kernels'
 KiviErrorBits, so a sequence the kernels skipped (bad lengths, capacity, slot or block id) is observable instead of
 silent zero rows.
 
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from trtllm_kivi.builder.onnx_export import ExportSpec, cache_io_names, export_llama, status_name
+from trtllm_kivi.builder.onnx_export import export_llama, graph_info
 from trtllm_kivi.format import KiviConfig
 from trtllm_kivi.models.tiny import tiny_model
-from trtllm_kivi.plugin import STATUS_BITS
+from trtllm_kivi.op import STATUS_BITS, ExportSpec, cache_io_names, status_name
 from trtllm_kivi.runtime.ort_runner import OrtRunner, step_feeds
 from trtllm_kivi.runtime.trt_runner import TrtRunner
 
@@ -25,7 +25,7 @@ SPEC = ExportSpec("float16", max_batch_size=2, max_seq_len=96, max_num_tokens=64
 
 def test_onnxruntime_graph_reports_status_zero_for_every_layer():
     model, mc = tiny_model(seed=1)
-    ort = OrtRunner(export_llama(model, CFG, SPEC))
+    ort = OrtRunner(export_llama(model, CFG, SPEC), graph_info(model, CFG, SPEC))
     slots = [ort.add_sequence(), ort.add_sequence()]
     st = ort.cache.begin_step(slots, [40, 3])
     feeds = step_feeds(st, [list(range(40)), [7, 8, 9]], all_logits=False)

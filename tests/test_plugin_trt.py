@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from trtllm_kivi.format import BUFFER_NAMES, FORMAT_VERSION, KiviConfig, buffer_shapes
-from trtllm_kivi.plugin import (PLUGIN_LIBRARY_NAME, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, STATUS_OUTPUT,
+from trtllm_kivi.op import STATUS_OUTPUT
+from trtllm_kivi.plugin import (PLUGIN_LIBRARY_NAME, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION,
                                 find_plugin_library, load_plugin_library, plugin_fields)
 from trtllm_kivi.reference.attention import KiviBuffers, kivi_attention
 

@@ -1,9 +1,9 @@
 /*
  * KiviAttention plugin: fields, validation and I/O checks (host only; no CUDA, no libnvinfer symbols).
  *
- * The field table kFIELDS is the C++ copy of trtllm_kivi/plugin.py FIELDS (same names, same order, all int32
+ * The field table kFIELDS is the C++ copy of trtllm_kivi/op.py FIELDS (same names, same order, all int32
  * scalars); tests/test_plugin_fields.py parses it from kiviAttentionParams.cpp and compares it with fields.json,
- * format.py and plugin.py.
+ * format.py and op.py.
  */
 #pragma once
 
