@@ -112,8 +112,8 @@ def bench_geometry(name: str, args, gen: torch.Generator) -> dict:
                 times[key].append(time.perf_counter() - t0)
                 cpu_times[key].append(time.process_time() - c0)
         med = {key: statistics.median(t) for key, t in times.items()}
-        ratio = statistics.median(f / q_ for f, q_ in zip(times["fp16"], times["kivi2"]))
-        cpu_ratio = statistics.median(f / q_ for f, q_ in zip(cpu_times["fp16"], cpu_times["kivi2"]))
+        ratio = statistics.median(f / q_ for f, q_ in zip(times["fp16"], times["kivi2"], strict=True))
+        cpu_ratio = statistics.median(f / q_ for f, q_ in zip(cpu_times["fp16"], cpu_times["kivi2"], strict=True))
         gbs = {"kivi2": kivi_bytes / med["kivi2"] / 1e9, "fp16": fp16_bytes / med["fp16"] / 1e9}
         bound = {key: ("bandwidth-bound" if gbs[key] > 0.6 * bw else "compute-bound") for key in gbs}
         out["threads"][str(threads)] = {
@@ -129,7 +129,6 @@ def bench_geometry(name: str, args, gen: torch.Generator) -> dict:
         print(f"{name} threads={threads}: kivi2 {med['kivi2'] * 1e3:.1f} ms ({gbs['kivi2']:.2f} GB/s), fp16 "
               f"{med['fp16'] * 1e3:.1f} ms ({gbs['fp16']:.2f} GB/s), read bw {bw:.1f} GB/s, speedup {ratio:.2f}x "
               f"(cpu time {cpu_ratio:.2f}x)", file=sys.stderr)
-    del kivi, dense
     return out
 
 

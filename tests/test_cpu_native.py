@@ -78,12 +78,12 @@ class Run:
                 torch.tensor(chunks, **i32), self.tables[slots].contiguous())
         out_ref = kivi_attention_(q, k, v, *args, self.ref, self.cfg)
         out_nat = kivi_attention_cpu_(q, k, v, *args, self.nat, self.cfg, isa=isa, threads=threads)
-        for s, c in zip(slots, chunks):
+        for s, c in zip(slots, chunks, strict=True):
             self.past[s] += c
         return out_ref, out_nat, v
 
     def assert_stores_equal(self) -> None:
-        for name, a, b in zip(KiviBuffers._fields, self.ref, self.nat):
+        for name, a, b in zip(KiviBuffers._fields, self.ref, self.nat, strict=True):
             assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
                                b.view(torch.int16) if b.dtype == torch.bfloat16 else b), \
                 f"{name}: {(a != b).sum().item()} elements differ"
@@ -154,7 +154,7 @@ def test_thread_count_invariance(isa) -> None:
         outs = {t: r.step(slots, chunks, isa=isa, threads=t, qkv=qkv)[1] for t, r in runs.items()}
         for t in (2, 3, 8):
             assert torch.equal(outs[1], outs[t]), f"threads={t} differs from threads=1 at step {slots} {chunks}"
-            for a, b in zip(runs[1].nat, runs[t].nat):
+            for a, b in zip(runs[1].nat, runs[t].nat, strict=True):
                 assert torch.equal(a, b)
 
 
@@ -168,7 +168,7 @@ def test_batch_invariance(isa) -> None:
         qkv = tuple(torch.randn(chunk, hh, 64, generator=gen) for hh in (6, 2, 2))
         out_alone = alone.step([0], [chunk], isa=isa, qkv=qkv)[1]
         other = tuple(torch.randn(17, hh, 64, generator=gen) for hh in (6, 2, 2))
-        both = tuple(torch.cat([o, x]) for o, x in zip(other, qkv))  # sequence 0 second in the batch
+        both = tuple(torch.cat([o, x]) for o, x in zip(other, qkv, strict=True))  # sequence 0 second in the batch
         out_mixed = mixed.step([2, 0], [17, chunk], isa=isa, qkv=both)[1]
         assert torch.equal(out_alone, out_mixed[17:]), f"chunk {chunk}: batch composition changed the bits"
 
@@ -182,7 +182,7 @@ def test_paths_agree() -> None:
         outs = {i: r.step(slots, chunks, isa=i, qkv=qkv)[1] for i, r in runs.items()}
         for i in supported[1:]:
             assert torch.allclose(outs[supported[0]], outs[i], rtol=0, atol=2e-5)
-            for a, b in zip(runs[supported[0]].nat, runs[i].nat):
+            for a, b in zip(runs[supported[0]].nat, runs[i].nat, strict=True):
                 assert torch.equal(a, b)
 
 
@@ -233,7 +233,7 @@ def test_bad_inputs_raise_and_corrupt_nothing(mutate, match) -> None:
     before = run.nat.clone()
     with pytest.raises(ValueError, match=match):
         kivi_attention_cpu_(*args, run.nat, run.cfg)
-    for a, b in zip(before, run.nat):
+    for a, b in zip(before, run.nat, strict=True):
         assert torch.equal(a, b)
 
 

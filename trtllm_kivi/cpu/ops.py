@@ -38,7 +38,7 @@ def _check_common(named: dict[str, torch.Tensor]) -> None:
 
 def _check_step(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers: KiviBuffers, cfg: KiviConfig) -> None:
     named = {"q": q, "k": k, "v": v, "slot_ids": slot_ids, "past_len": past_len, "chunk_len": chunk_len,
-             "block_table": block_table, **dict(zip(buffers._fields, buffers))}
+             "block_table": block_table, **dict(zip(buffers._fields, buffers, strict=True))}
     _check_common(named)
     for name in _INT_NAMES + ("k_codes", "v_codes"):
         if named[name].dtype != torch.int32:
@@ -60,7 +60,7 @@ def _check_step(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers: Ki
         if named[name].dtype != sdt:
             raise ValueError(f"{name} has dtype {named[name].dtype}; cfg.scale_dtype is {cfg.scale_dtype}")
     expected = buffer_shapes(cfg, hkv, d, num_blocks, buffers.k_window.shape[0])
-    for name, t in zip(buffers._fields, buffers):
+    for name, t in zip(buffers._fields, buffers, strict=True):
         if tuple(t.shape) != expected[name]:
             raise ValueError(f"buffer {name} has shape {tuple(t.shape)}, expected {expected[name]}")
     b = slot_ids.shape[0] if slot_ids.dim() == 1 else -1

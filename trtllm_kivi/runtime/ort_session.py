@@ -106,7 +106,7 @@ def _kivi_attention_op(q, k, v, slot_ids, past_len, chunk_len, block_table, *buf
     sdt = np.float16 if cfg.scale_dtype == "float16" else np.float32
     t = [torch.from_numpy(np.asarray(a)) for a in (q, k, v, slot_ids, past_len, chunk_len, block_table)]
     bufs = KiviBuffers(*(torch.from_numpy(np.array(b, dtype=sdt if n in _SCALE_BUFFERS else None))  # copies
-                         for n, b in zip(BUFFER_NAMES, buffers)))
+                         for n, b in zip(BUFFER_NAMES, buffers, strict=True)))
     threads = torch.get_num_threads()
     op = native_op(t[0].shape[-1])
     torch.set_num_threads(1)
@@ -116,7 +116,7 @@ def _kivi_attention_op(q, k, v, slot_ids, past_len, chunk_len, block_table, *buf
         torch.set_num_threads(threads)
     # status [1] int32 = 0: the reference raises on a bad step (check_step) instead of skipping a sequence.
     return (out.numpy(), *(b.numpy().astype(np.float32) if n in _SCALE_BUFFERS else b.numpy()
-                           for n, b in zip(BUFFER_NAMES, bufs)), np.zeros(1, np.int32))
+                           for n, b in zip(BUFFER_NAMES, bufs, strict=True)), np.zeros(1, np.int32))
 
 
 def ort_model(m: onnx.ModelProto, cache_id: int | None = None) -> onnx.ModelProto:
