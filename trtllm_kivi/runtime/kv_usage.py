@@ -1,6 +1,7 @@
 """How full a runner's KV cache is, and how many pool blocks a sequence of n tokens takes: what the scheduler's
-admission control reserves and what serving exports as metrics. Works for every runner with a trtllm_kivi.cache
-cache (`runner.cache`: a KiviCache with a block pool, or a FullCache, which has slots but no blocks)."""
+admission control reserves and what serving exports as metrics. Uses the Runner interface (kivi_config,
+free_blocks, free_slots, kv_nbytes) and, for a runner with a block pool, its cache's num_blocks and buffers (a
+KiviCache); an unquantized cache has slots but no blocks."""
 
 from __future__ import annotations
 
@@ -20,14 +21,11 @@ class KVUsage:
     bytes_in_use: int  # the blocks in use + the full-precision windows (or rows) of the slots in use
 
 
-def _cache(runner: Runner):
-    return getattr(runner, "cache", None)
-
-
 def _pool(runner: Runner):
-    """The KiviCache of a runner when it has a block pool, else None."""
-    c = _cache(runner)
-    return c if c is not None and hasattr(c, "num_blocks") and hasattr(c, "free_blocks") else None
+    """The block-pool cache of a runner (a KiviCache: runner.free_blocks is not None), else None."""
+    if runner.free_blocks is None:
+        return None
+    return runner.cache  # type: ignore[attr-defined]  # every runner with a pool is a CacheRunner
 
 
 def blocks_total(runner: Runner) -> int:
@@ -37,10 +35,10 @@ def blocks_total(runner: Runner) -> int:
 
 def blocks_for(runner: Runner, num_tokens: int) -> int:
     """Pool blocks a sequence holds once num_tokens tokens are stored (0 without a pool)."""
-    c = _pool(runner)
-    if c is None:
+    cfg = runner.kivi_config
+    if cfg is None or runner.free_blocks is None:
         return 0
-    return math.ceil(c.cfg.num_quantized(num_tokens) / c.cfg.block_size)
+    return math.ceil(cfg.num_quantized(num_tokens) / cfg.block_size)
 
 
 def max_tokens_in_blocks(runner: Runner, blocks: int) -> int:

@@ -34,6 +34,7 @@ class ServingConfig:
     max_batch_tokens: int = 512
     default_max_tokens: int = 64
     num_threads: int | None = None  # torch CPU threads in the serving process (None: torch's default)
+    attention_backend: str = "auto"  # KIVI attention backend of the torch runner (cache.BACKEND_CHOICES)
     package_root: str = PACKAGE_ROOT  # where `import trtllm_kivi` comes from inside the Triton python backend
 
     def __post_init__(self) -> None:
@@ -82,13 +83,15 @@ def load_runner(cfg: ServingConfig):
     if cfg.num_blocks is not None and not spec.quantized:
         raise ValueError(f"num_blocks={cfg.num_blocks} applies to a KIVI cache, not --kv {cfg.kv}")
     extra = {} if cfg.num_blocks is None else {"num_blocks": cfg.num_blocks}
-    return TorchRunner.create(model, spec, cfg.max_slots, cfg.max_seq_len, **extra), tok
+    return TorchRunner.create(model, spec, cfg.max_slots, cfg.max_seq_len, backend=cfg.attention_backend,
+                              **extra), tok
 
 
 def _load_engine(cfg: ServingConfig):
     """The builder's factory picks the runner (tensorrt with an engine + GPU, else onnxruntime); the folder's own
     capacity (max batch size, max sequence length) applies, not cfg.max_slots / cfg.max_seq_len."""
-    from ..runtime.select import BuildFolder, load_runner as load_build
+    from ..runtime.build_folder import BuildFolder
+    from ..runtime.select import load_runner as load_build
 
     runner, _why = load_build(cfg.engine, threads=cfg.num_threads)
     return runner, BuildFolder.open(cfg.engine).tokenizer()
