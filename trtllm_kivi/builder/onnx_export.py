@@ -2,7 +2,7 @@
 
 Built with onnx.helper from the model's own tensors rather than torch.onnx.export: the graph is small and regular
 (per token ops on [tokens, dim] rows + one custom node per layer), we control every dtype and Cast (TensorRT 11
-networks are strongly typed), the custom node needs 15 inputs / 9 outputs with cache aliasing that a tracer would
+networks are strongly typed), the custom node needs 15 inputs / 10 outputs with cache aliasing that a tracer would
 have to be taught through a custom symbolic, and the result does not depend on the torch exporter of the day.
 
 One graph run is one step of a ragged batch (DESIGN.md): the tokens of B sequences concatenated.
@@ -11,65 +11,30 @@ One graph run is one step of a ragged batch (DESIGN.md): the tokens of B sequenc
              block_table [batch, max_blocks] int32, logit_rows [rows] int32 (rows of the step whose logits are
              wanted: each chunk's last token, or all of them), past.{layer}.{buffer} (format.BUFFER_NAMES)
     outputs  logits [rows, vocab] float32, present.{layer}.{buffer} (same shapes/dtypes as past.*; a runner binds
-             each present.* to its past.* buffer: the op updates the cache in place in TensorRT)
+             each present.* to its past.* buffer: the op updates the cache in place in TensorRT),
+             status.{layer} [1] int32 (op.STATUS_OUTPUT: the kernels' error bits of the step; 0 = all ran)
 
 Every floating op runs in the activation dtype except RMSNorm's statistics (fp32, like the torch model), the RoPE
-tables (fp32, cast once per step) and the logits (cast to fp32). The node's attributes are plugin.plugin_fields +
+tables (fp32, cast once per step) and the logits (cast to fp32). The node's attributes are op.plugin_fields +
 plugin_version / plugin_namespace, which TensorRT's ONNX parser uses to pick the registered plugin.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
-from dataclasses import asdict, dataclass
 
 import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper
 
-from ..format import BUFFER_NAMES, FORMAT_VERSION, KiviConfig, buffer_dtypes, buffer_shapes
-from ..plugin import FIELD_NAMES, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, plugin_fields
+from ..format import BUFFER_NAMES, KiviConfig, buffer_dtypes, buffer_shapes
+from ..op import (DOMAIN, FIELD_NAMES, GRAPH_DTYPES, LOGITS, OPSET, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION,
+                  STATUS_OUTPUT, STEP_INPUTS, ExportSpec, GraphInfo, cache_io_names, plugin_fields, status_name)
 
-DOMAIN = PLUGIN_NAMESPACE  # custom-op domain of the KiviAttention nodes
-OPSET = 18
-SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
+SUPPORTED_DTYPES = GRAPH_DTYPES
 ONNX_DTYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16, "float32": TensorProto.FLOAT,
                "int32": TensorProto.INT32}
-STEP_INPUTS = ("input_ids", "positions", "slot_ids", "past_len", "chunk_len", "block_table", "logit_rows")
-
-
-@dataclass(frozen=True)
-class ExportSpec:
-    """What a graph is built for: cache geometry and the maxima of its dynamic dimensions."""
-
-    dtype: str  # activation dtype of the graph
-    max_batch_size: int  # sequences per step = cache slots
-    max_seq_len: int  # tokens per sequence
-    max_num_tokens: int  # tokens per step (all sequences)
-
-    def __post_init__(self) -> None:
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported; allowed: {', '.join(SUPPORTED_DTYPES)}")
-        for name, lo in (("max_batch_size", 1), ("max_seq_len", 1), ("max_num_tokens", self.max_batch_size)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise ValueError(f"{name}={v!r} must be an integer >= {lo}")
-
-    def max_blocks_per_seq(self, cfg: KiviConfig) -> int:
-        """Block-table width: the same as KiviCache(max_seq_len=...) allocates."""
-        return max(1, math.ceil(cfg.num_quantized(self.max_seq_len) / cfg.block_size))
-
-    def num_blocks(self, cfg: KiviConfig) -> int:
-        """Blocks in each layer's pool: every slot can reach max_seq_len."""
-        return self.max_batch_size * self.max_blocks_per_seq(cfg)
-
-
-def cache_io_names(layer: int) -> tuple[list[str], list[str]]:
-    """(past.*, present.*) tensor names of one layer, in BUFFER_NAMES order."""
-    return [f"past.{layer}.{n}" for n in BUFFER_NAMES], [f"present.{layer}.{n}" for n in BUFFER_NAMES]
 
 
 def kivi_attention_schema() -> onnx.defs.OpSchema:
@@ -84,7 +49,8 @@ def kivi_attention_schema() -> onnx.defs.OpSchema:
     attrs += [S.Attribute("plugin_version", S.AttrType.STRING, "TensorRT plugin version"),
               S.Attribute("plugin_namespace", S.AttrType.STRING, "TensorRT plugin namespace")]
     return S(PLUGIN_NAME, DOMAIN, 1, doc="KIVI attention over a quantized KV cache (trtllm_kivi.reference)",
-             inputs=inputs + bufs, outputs=[S.FormalParameter("out", "T")] + bufs,
+             inputs=inputs + bufs,
+             outputs=[S.FormalParameter("out", "T")] + bufs + [S.FormalParameter(STATUS_OUTPUT, "I")],
              type_constraints=[("T", fl, "activations"), ("S", fl, "scale/zero"), ("I", [i32], "int32")],
              attributes=attrs)
 
@@ -158,6 +124,11 @@ def _w(p) -> torch.Tensor:
     return p if isinstance(p, torch.Tensor) else p.weight
 
 
+def graph_info(model, cfg: KiviConfig, spec: ExportSpec) -> GraphInfo:
+    """What export_llama(model, cfg, spec) is built for: the record a runner drives it by (build_config.json)."""
+    return GraphInfo(cfg, model.cfg.geometry, spec, model.cfg.vocab_size)
+
+
 def export_llama(model, cfg: KiviConfig, spec: ExportSpec) -> onnx.ModelProto:
     """A models.llama.LlamaModel -> ONNX ModelProto (weights as initializers; save with save_model)."""
     register_schema()
@@ -177,7 +148,7 @@ def export_llama(model, cfg: KiviConfig, spec: ExportSpec) -> onnx.ModelProto:
               helper.make_tensor_value_info("chunk_len", i32, ["batch"]),
               helper.make_tensor_value_info("block_table", i32, ["batch", mb]),
               helper.make_tensor_value_info("logit_rows", i32, ["num_logits"])]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["num_logits", mc.vocab_size])]
+    outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["num_logits", mc.vocab_size])]
 
     g.const("axes_last", np.array([-1], np.int64))
     g.const(f"eps_{mc.norm_eps!r}", np.array(mc.norm_eps, np.float32))
@@ -212,8 +183,9 @@ def export_llama(model, cfg: KiviConfig, spec: ExportSpec) -> onnx.ModelProto:
         v = g.op1("Reshape", v, f"shape_h{hkv}")
         attn_name = f"attention_{i}"
         attn_out = f"{attn_name}.out"
+        outputs.append(helper.make_tensor_value_info(status_name(i), i32, [1]))
         g.op(PLUGIN_NAME, [q, k, v, "slot_ids", "past_len", "chunk_len", "block_table", *past],
-             name=attn_name, outputs=[attn_out, *present], domain=DOMAIN,
+             name=attn_name, outputs=[attn_out, *present, status_name(i)], domain=DOMAIN,
              plugin_version=PLUGIN_VERSION, plugin_namespace=PLUGIN_NAMESPACE, **fields)
         # The custom node's output shape, declared so shape inference continues past it.
         g.value_info.append(helper.make_tensor_value_info(attn_out, g.act, ["num_tokens", h, d]))
@@ -229,15 +201,12 @@ def export_llama(model, cfg: KiviConfig, spec: ExportSpec) -> onnx.ModelProto:
     x = g.op1("Gather", x, "logit_rows", axis=0)  # [rows, dim]: only the rows whose logits are wanted
     x = g.rms_norm(x, g.weight("norm.weight", model.norm.weight), mc.norm_eps)
     head = embed if model.lm_head is None else g.weight("lm_head.weight", _w(model.lm_head))
-    g.op("Cast", [g.linear(x, head)], outputs=["logits"], to=TensorProto.FLOAT)
+    g.op("Cast", [g.linear(x, head)], outputs=[LOGITS], to=TensorProto.FLOAT)
 
     graph = helper.make_graph(g.nodes, f"{mc.name}_kivi", inputs, outputs, g.inits, value_info=g.value_info)
     m = helper.make_model(graph, producer_name="trtllm-kivi",
                           opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)])
     m.ir_version = 9  # what onnxruntime and TensorRT's parser read today
-    meta = {"format_version": FORMAT_VERSION, "kivi_config": cfg.to_dict(), "export": asdict(spec),
-            "max_blocks_per_seq": mb, "num_blocks": nb, "num_layers": mc.n_layers, "vocab_size": mc.vocab_size}
-    helper.set_model_props(m, {key: json.dumps(val) for key, val in meta.items()})  # read by model_metadata
     return m
 
 
@@ -250,6 +219,6 @@ def save_model(m: onnx.ModelProto, path: str, data_name: str | None = None) -> N
     onnx.load_external_data_for_model(m, os.path.dirname(os.path.abspath(path)))
 
 
-def model_metadata(m: onnx.ModelProto) -> dict:
-    """metadata_props decoded back to python values."""
-    return {p.key: json.loads(p.value) for p in m.metadata_props}
+# ExportSpec, cache_io_names and STEP_INPUTS moved to trtllm_kivi.op; re-exported here for one release.
+__all__ = ["ExportSpec", "GraphInfo", "STEP_INPUTS", "SUPPORTED_DTYPES", "ONNX_DTYPES", "cache_io_names",
+           "export_llama", "graph_info", "kivi_attention_schema", "register_schema", "save_model"]

@@ -1,7 +1,8 @@
 """ctypes view of the KIVI kernel library's C ABI (plugins/kernels/include/kiviCApi.h).
 
-Imports only the standard library, so the CPU tests can load the host-only build (validation and launch plan, g++)
-and the GPU machine can load the full one without our venv.
+Imports only the standard library and trtllm_kivi.format / trtllm_kivi.op (themselves standard-library only), so the
+CPU tests can load the host-only build (validation and launch plan, g++) and the GPU machine can load the full one
+without our venv.
 """
 
 from __future__ import annotations
@@ -10,13 +11,15 @@ import ctypes
 import os
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from ..format import DTYPE_NAMES
+from ..op import find_library as _find
+from ..op import library_candidates as _candidates
+
 LIB_NAME = "libtrtllm_kivi_kernels.so"
 LIB_ENV = "TRTLLM_KIVI_KERNELS_LIB"
-DEFAULT_BUILD_DIR = REPO_ROOT / "build" / "plugins"
 
 # KiviDataType / KiviErrorBits / phases, as in plugins/kernels/include/kiviParams.h.
-DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
+DTYPE_CODES = {n: i for i, n in enumerate(DTYPE_NAMES)}  # format.dtype_code
 ERR_LENGTH, ERR_CAPACITY, ERR_SLOT, ERR_BLOCK_ID = 1, 2, 4, 8
 PHASE_ATTENTION, PHASE_APPEND, PHASE_STEP = 1, 2, 3
 ATTN_AUTO, ATTN_SIMT, ATTN_TENSOR_CORE = 0, 1, 2  # KiviAttentionImpl
@@ -62,6 +65,10 @@ class KiviLibrary:
         lib.kiviCWorkspaceSize.argtypes = [ctypes.c_void_p]
         lib.kiviCWorkspaceSize.restype = ctypes.c_size_t
         lib.kiviCLastErrorMessage.restype = ctypes.c_char_p
+        lib.kiviCWorkspaceSizeForProfile.argtypes = [ctypes.c_void_p] + [ctypes.c_int32] * 3
+        lib.kiviCWorkspaceSizeForProfile.restype = ctypes.c_size_t
+        lib.kiviCCheckArch.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+        lib.kiviCCheckArch.restype = ctypes.c_int32
         self.has_launchers = hasattr(lib, "kiviCStep")
         if self.has_launchers:
             for name in ("kiviCStep", "kiviCAttention", "kiviCAppend"):
@@ -92,6 +99,17 @@ class KiviLibrary:
     def workspace_size(self, params: KiviStepParams) -> int:
         return int(self.lib.kiviCWorkspaceSize(ctypes.byref(params)))
 
+    def workspace_size_for_profile(self, max_params: KiviStepParams, min_tokens: int, min_batch: int,
+                                   min_blocks_per_seq: int) -> int:
+        """Bytes serving every step of a TensorRT profile whose max is max_params (kiviWorkspaceSizeForProfile)."""
+        return int(self.lib.kiviCWorkspaceSizeForProfile(ctypes.byref(max_params), min_tokens, min_batch,
+                                                         min_blocks_per_seq))
+
+    def check_arch(self, params: KiviStepParams, sm_version: int) -> str:
+        """'' when params.attentionImpl runs on compute capability sm_version (e.g. 75, 80, 90), else the message."""
+        rc = self.lib.kiviCCheckArch(ctypes.byref(params), sm_version)
+        return "" if rc == 0 else self.last_error()
+
     def launch(self, params: KiviStepParams, stream: int, phase: int = PHASE_STEP) -> int:
         if not self.has_launchers:
             raise RuntimeError(f"{self.path} is a host-only build without the CUDA launchers")
@@ -101,16 +119,15 @@ class KiviLibrary:
 
 
 def library_candidates() -> list[Path]:
-    """Where load_library looks: $TRTLLM_KIVI_KERNELS_LIB, then build/plugins/ of the source tree."""
-    env = os.environ.get(LIB_ENV)
-    return ([Path(env)] if env else []) + [DEFAULT_BUILD_DIR / LIB_NAME]
+    """Where load_library looks (op.library_candidates): $TRTLLM_KIVI_KERNELS_LIB, then build/plugins/."""
+    return _candidates(LIB_NAME, LIB_ENV)
 
 
 def find_library() -> Path | None:
-    for path in library_candidates():
-        if path.is_file():
-            return path
-    return None
+    try:
+        return _find(LIB_NAME, LIB_ENV)
+    except FileNotFoundError:
+        return None
 
 
 _LOADED: dict[Path, KiviLibrary] = {}
