@@ -808,6 +808,8 @@ class KernelAnalysis:
         self.live = reachable(self.blocks)
         self.loops = find_loops(self.blocks, self.live)
         self._name_loops()
+        self._counts: dict[Ctx, tuple[Count, Count]] = {}
+        self._lines: dict[tuple[str, str], set[tuple[str, int]]] = {}
 
     # -- loops
     def _frames(self, ins: Instr) -> set[tuple[str, int]]:
@@ -843,43 +845,95 @@ class KernelAnalysis:
             raise ValueError(f"{self.spec.name} ({self.arch}): expected one SASS loop tagged tile, found {len(cands)}")
         return cands[0]
 
-    def _trips(self, ctx: Ctx, weights: dict[int, float]) -> dict[int, float]:
-        """SASS trips per entry of each loop. The source trips of a tag are spread over the live SASS loops of that tag
-        with the same parent and the same call-site stack (nvcc's unrolled loop + its remainder loop), largest unroll
-        first; copies for other call sites or versions (e.g. loops unswitched on a runtime value) are separate."""
+    def _trips(self, ctx: Ctx, weights: dict[int, float]) -> tuple[dict[int, float], dict[int, float]]:
+        """SASS trips per entry of each loop. Per tag and call-site stack (frames outside the tagged lines), the live
+        anchor instructions outside that tag's SASS loops run once per entry (a fully unrolled loop, or the
+        prologue / epilogue of a software-pipelined one); the remaining source trips are spread over the live SASS
+        loops of the group (nvcc's unrolled loop + remainder loop), largest unroll first; fewer straight-line anchors
+        than the largest unroll that do not fit are nvcc's straight-line remainder (run N mod U times, scaled so; exact
+        when N mod U is 0, as in today's kernels). Returns (trips per loop, block multipliers). Loops whose copies run for
+        other call sites or versions (e.g. unswitched on a runtime value) are separate groups or dead. A group whose
+        anchors do not add up to a whole multiple of the source trips is refused by name (e.g. a straight-line
+        remainder that runs only when N mod U != 0), never miscounted silently."""
         specs = {s.tag: s for s in self.spec.loops}
-        out: dict[int, float] = {}
-        groups: dict[tuple, list[int]] = defaultdict(list)
+        out: dict[int, float] = {li: 1.0 for li in range(len(self.loops))}  # tile loop: per tile; untagged: reported
+        scale: dict[int, float] = {}  # block -> multiplier of remainder blocks
+        in_loop: dict[int, list[int]] = defaultdict(list)
         for li, lp in enumerate(self.loops):
-            out[li] = 1.0  # the tile loop (counted per tile) and untagged loops (reported by check_loops)
-            if lp.tag in specs and lp.tag != "tile":
+            for i in range(lp.head, lp.tail + 1):
+                in_loop[i].append(li)
+        for tag, sp in specs.items():
+            if tag == "tile":
+                continue
+            anchors = self.tags.get(("ANCHOR", tag), set())
+            heads = self.tags.get(("LOOP", tag), set())
+
+            def outer(stack: tuple[tuple[str, int], ...], marks: set[tuple[str, int]]) -> tuple:
+                k = next((i for i, fr in enumerate(stack) if fr in marks), None)
+                return stack[k + 1:] if k is not None else ("?",)
+
+            loops: dict[tuple, list[int]] = defaultdict(list)
+            for li, lp in enumerate(self.loops):
+                if lp.tag != tag:
+                    continue
                 if not any(weights[i] > 0 for i in self._own_blocks(li)):
                     out[li] = 0.0
                     continue
-                back = self.blocks[lp.tail].instrs[-1]
-                groups[(lp.tag, lp.parent, back.stack[1:])].append(li)
-        for (tag, _, _), lis in groups.items():
-            total = specs[tag].trips(ctx)
-            left = total
-            for li in sorted(lis, key=lambda j: -self.loops[j].unroll):
-                u = self.loops[li].unroll
-                if u <= 0:
-                    raise ValueError(f"loop {tag} ({self.arch}) has no anchor instruction "
-                                     f"({specs[tag].anchor_op}) in its body: cannot tell its unroll factor")
-                out[li] = float(left // u)
-                left -= (left // u) * u
-            if left:
-                raise ValueError(f"loop {tag} ({self.arch}): {total} source trips do not fit the unroll factors "
-                                 f"{[self.loops[j].unroll for j in lis]} of its SASS loops")
-        return out
+                loops[outer(self.blocks[lp.tail].instrs[-1].stack, heads)].append(li)
+            straight: Counter = Counter()
+            straight_blocks: dict[tuple, set[int]] = defaultdict(set)
+            for bl in self.blocks:
+                if weights[bl.index] <= 0 or any(self.loops[li].tag == tag for li in in_loop[bl.index]):
+                    continue
+                for ins in bl.instrs:
+                    if anchors & set(ins.stack) and op_class(ins.opcode) == sp.anchor_op:
+                        straight[outer(ins.stack, anchors)] += 1
+                        straight_blocks[outer(ins.stack, anchors)].add(bl.index)
+            total = sp.trips(ctx)
+            for key in set(loops) | set(straight):
+                lis, left = loops.get(key, []), total - straight[key]
+                umax = max((self.loops[j].unroll for j in lis), default=0)
+                if lis and 0 < straight[key] < umax and left % umax:
+                    # nvcc's straight-line remainder of a loop unrolled by umax (< umax copies, run for N mod umax
+                    # iterations): its anchor blocks run (N mod umax) / copies times (exact for 0 and for all copies)
+                    r = total % umax
+                    if r > straight[key]:
+                        raise ValueError(f"loop {tag} ({self.arch}): {total} source trips, {straight[key]} straight-line "
+                                         f"anchors and SASS loops unrolled {[self.loops[j].unroll for j in lis]}: the "
+                                         "remainder structure is not modelled (use #pragma unroll 1, or a trip count "
+                                         "nvcc sees)")
+                    for i in straight_blocks[key]:
+                        scale[i] = scale.get(i, 1.0) * r / straight[key]
+                    left = total - r
+                if not lis:
+                    if straight[key] % total:
+                        raise ValueError(f"loop {tag} ({self.arch}): {straight[key]} unrolled anchor instructions on the "
+                                         f"path, not a multiple of its {total} source trips")
+                    continue
+                for li in sorted(lis, key=lambda j: -self.loops[j].unroll):
+                    u = self.loops[li].unroll
+                    if u <= 0:
+                        raise ValueError(f"loop {tag} ({self.arch}) has no anchor instruction ({sp.anchor_op}) in its "
+                                         "body: cannot tell its unroll factor")
+                    out[li] = float(max(left, 0) // u)
+                    left -= int(out[li]) * u
+                if left:
+                    raise ValueError(
+                        f"loop {tag} ({self.arch}): {total} source trips do not fit {straight[key]} straight-line "
+                        f"anchors + SASS loops unrolled {[self.loops[j].unroll for j in lis]} (a remainder that runs "
+                        "only for some trip counts is not modelled: use #pragma unroll 1, or a trip count nvcc sees)")
+        return out, scale
 
     # -- path weights
+    def lines_of(self, file: str, text: str) -> set[tuple[str, int]]:
+        """{(resolved file, line)} of a source text (cached)."""
+        if (file, text) not in self._lines:
+            f = str(self.files[file].resolve())
+            self._lines[(file, text)] = {(f, n) for n in source_lines(self.files, file, text)}
+        return self._lines[(file, text)]
+
     def _rule_lines(self) -> list[tuple[set[tuple[str, int]], PathRule]]:
-        out = []
-        for r in self.spec.rules:
-            f = str(self.files[r.file].resolve())
-            out.append(({(f, n) for n in source_lines(self.files, r.file, r.text)}, r))
-        return out
+        return [(self.lines_of(r.file, r.text), r) for r in self.spec.rules]
 
     def _weights(self, ctx: Ctx) -> dict[int, float]:
         rules = self._rule_lines()
@@ -923,15 +977,20 @@ class KernelAnalysis:
 
     # -- counting
     def count(self, ctx: Ctx) -> tuple[Count, Count]:
-        """(per tile, per CTA outside the tile loop), summed over the CTA's warps."""
+        """(per tile, per CTA outside the tile loop), summed over the CTA's warps (cached per path context)."""
+        if ctx not in self._counts:
+            self._counts[ctx] = self._count(ctx)
+        return self._counts[ctx]
+
+    def _count(self, ctx: Ctx) -> tuple[Count, Count]:
         weights = self._weights(ctx)
-        trips = self._trips(ctx, weights)
+        trips, scale = self._trips(ctx, weights)
         tl = self.tile_loop()
         tile, rest = Count(), Count()
         smem = self._smem_patterns(ctx)
         warps = ceil_div(self.spec.threads, WARP)
         for b in self.blocks:
-            wgt = weights[b.index]
+            wgt = weights[b.index] * scale.get(b.index, 1.0)
             if wgt == 0.0:
                 continue
             n = wgt * warps
@@ -952,11 +1011,7 @@ class KernelAnalysis:
         return tile, rest
 
     def _smem_patterns(self, ctx: Ctx) -> list[tuple[set[tuple[str, int]], str, list[int | None]]]:
-        out = []
-        for a in self.spec.smem:
-            f = str(self.files[a.file].resolve())
-            out.append(({(f, n) for n in source_lines(self.files, a.file, a.text)}, a.op, a.lanes(ctx)))
-        return out
+        return [(self.lines_of(a.file, a.text), a.op, a.lanes(ctx)) for a in self.spec.smem]
 
     def _wavefronts(self, ins: Instr, cls: str, smem) -> int | None:
         frames = set(ins.stack)
