@@ -219,12 +219,18 @@ def _w(x: Weight, ctx: Ctx) -> float:
 
 @dataclass(frozen=True)
 class LoopSpec:
-    """A source loop named by `// KIVI_MODEL_LOOP(tag)`; trips = source iterations per entry and thread; anchor_op: the
-    opcode class of the `// KIVI_MODEL_ANCHOR(tag)` line's one instruction per iteration (its static count in a SASS
-    loop body is that loop's unroll factor)."""
+    """A source loop named by `// KIVI_MODEL_LOOP(tag)` on its `for` line, or declared here by source text (file,
+    loop_text, anchor_text) for a kernel whose source carries no tags; trips = source iterations per entry as the warp
+    executes them (the most any of its lanes runs); anchor_op: the opcode class of the anchor line's one instruction
+    per iteration (`// KIVI_MODEL_ANCHOR(tag)` or anchor_text; its static count in a SASS loop body is that loop's
+    unroll factor). sites: (file, call-site text, trips) for a loop whose trip count depends on where it is inlined."""
     tag: str
     trips: Callable[[Ctx], int]
     anchor_op: str
+    file: str | None = None
+    loop_text: str | None = None
+    anchor_text: tuple[str, ...] = ()
+    sites: tuple[tuple[str, str, Callable[[Ctx], int]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -268,7 +274,6 @@ class KernelSpec:
     symbol: str  # substring of the mangled name
     headers: tuple[str, ...]  # included by the generated TU
     instantiation: str  # explicit instantiation statement(s), inside namespace trtllm_kivi::kernels
-    default: bool
     threads: int
     loops: tuple[LoopSpec, ...]
     rules: tuple[PathRule, ...]
@@ -276,10 +281,14 @@ class KernelSpec:
     smem: tuple[SmemAccess, ...]
     tile_bytes: Callable[[ModelShape], int]  # device bytes per quantized key tile of one (sequence, KV head)
     code_words: Callable[[ModelShape], int]  # 32-bit code words per tile
-    stages: int  # key tiles in flight per CTA (cp.async stages; 1 = load, then compute)
+    stages: int  # key tiles in flight per CTA (cp.async stages x warps that each stream their own; 1 = none)
     include_dirs: tuple[Path, ...] = (KERNEL_INCLUDE, FORMAT_INCLUDE)
     min_arch: int = 80
     note: str = ""
+    tile_warps: int | None = None  # warps that process one key tile (None: all warps of the CTA together)
+    dynamic_smem: Callable[[ModelShape], int] = lambda shape: 0  # bytes the launcher passes (beyond ptxas' static)
+    plan: Callable[..., "Plan"] | None = None  # launch plan (None: today's kiviLaunchPlan, launch_plan below)
+    default_rank: int | None = None  # the present kernel with the lowest rank is the default (None: never)
 
 
 def kivi_tile_bytes(shape: ModelShape) -> int:
@@ -482,16 +491,113 @@ def _tc_loops() -> tuple[LoopSpec, ...]:
     )
 
 
+# The mma.sync decode kernel (issue 12 item 2, plugins/kernels/include/kiviDecodeMma.cuh): 4 warps, each streams its own
+# contiguous range of 32-key chunks through 3 cp.async stages, so one chunk (= one 3,072-byte KIVI tile) is the work of
+# ONE warp (tile_warps = 1). Its source carries no KIVI_MODEL tags, so the loops are declared here by source text.
+MMA = "kiviDecodeMma.cuh"
+MMA_TILE_ROWS, MMA_STAGES, MMA_WARPS = 8, 3, 4
+
+
+def mma_launch_plan(shape: ModelShape, batch: int, max_seq_len: int, num_sms: int, seq_len: int,
+                    ctas_per_sm: int) -> Plan:
+    """The new kernel's kiviLaunchPlan (decode): tiles of 8 query rows; splits = slots / (tiles x Hkv) with slots =
+    SMs x the kernel's real occupancy (the launcher passes kiviAttentionCtasPerSm()), so the grid is one wave."""
+    grp = shape.group_heads
+    t = batch
+    num_tiles = min(ceil_div(t * grp, MMA_TILE_ROWS) + batch, t * ceil_div(grp, MMA_TILE_ROWS))
+    base = max(num_tiles, 1) * shape.num_kv_heads
+    max_splits = ceil_div(max(max_seq_len, 1), MIN_SPLIT_LEN)
+    splits = max(1, min((num_sms * ctas_per_sm) // base, max_splits))
+    split_len = ceil_div(ceil_div(max(max_seq_len, 1), splits), KEY_TILE) * KEY_TILE
+    num_splits = ceil_div(max(max_seq_len, 1), split_len)
+    seq_split = max(MIN_SPLIT_LEN, ceil_div(ceil_div(max(seq_len, 0), num_splits), KEY_TILE) * KEY_TILE)
+    return Plan(grp, MMA_TILE_ROWS, num_tiles, split_len, num_splits, seq_split)
+
+
+def mma_stage_bytes(shape: ModelShape) -> int:
+    return kivi_tile_bytes(shape)  # K + V words of a 32-key chunk + K scale/zero [D] + V scale/zero [32][D / Gv]
+
+
+def _mma_q_lanes(lane: int) -> int:  # float2 qS[g][16 kb + 8 reg + 2 t]: rows 512 B apart -> 8-way on 8 banks
+    g, t = lane // 4, lane % 4
+    return g * 128 * 4 + 2 * t * 4
+
+
+MMA_SMEM = (
+    SmemAccess(MMA, "w[j] = src[j];\n                }\n                float c[4]", "LDS",
+               _lanes(lambda lane: lane * 16), "K words of the lane's A registers: 16 contiguous bytes per lane"),
+    SmemAccess(MMA, "w[j] = src[j];\n                }\n                int32_t const vGroups", "LDS",
+               _lanes(lambda lane: lane * 16), "V words: 16 contiguous bytes per lane"),
+    SmemAccess(MMA, "float2 const qq = *reinterpret_cast<float2 const*>(&qS[g][ch]);", "LDS", _lanes(_mma_q_lanes),
+               "q row g = lane / 4 (rows of 128 floats: same banks), channels 2 t, 2 t + 1: 8-way"),
+    SmemAccess(MMA, "return loadScale(base, i, dtype);", "LDS",
+               _lanes(lambda lane: (lane % 4) * 4), "staged scale/zero: K by channel 2 t (+1), broadcast over g; "
+               "V by key g (8 halves 8 B apart): one wavefront either way"),
+    SmemAccess(MMA, "qS[n][u % kD] = x;", "STS", _lanes(lambda lane: lane * 4), "consecutive words"),
+    SmemAccess(MMA, "cpAsync16(dst + o, src + o);", "LDGSTS", _lanes(lambda lane: lane * 16),
+               "cp.async 16 B per lane, contiguous"),
+)
+
+MMA_RULES = (
+    PathRule(COMMON, LOADSCALE_BF16, 0, "fp16 scales: loadScale returns at the first test"),
+    PathRule(COMMON, "return static_cast<float const*>(ptr)[idx];", 0, "fp16 scales"),
+    PathRule(MMA, "loadFullPrecisionScores<T, kD>(p, wk, qS, kt, g, t, sc);", 0,
+             "quantized chunks (the window's <= 5 chunks are charged at the quantized chunk's instructions)"),
+    PathRule(MMA, "accumulateFullPrecisionValues<T, kD>(p, wk, kt, g, t, sc, st);", 0, "quantized chunks"),
+    PathRule(MMA, "out[u] = ActTraits<T>::fromFloat(0.F);", 0, "every row is covered by a sequence"),
+    PathRule(MMA, "out[(token * p.numHeads + wk.h * grp + row % grp) * kD + u % kD] = ActTraits<T>::fromFloat(0.F);", 0,
+             "valid sequences"),
+    PathRule(MMA, "out[(token * p.numHeads + head) * kD + ch] = ActTraits<T>::fromFloat(l > 0.F ? __fdiv_rn(o, l) : 0.F);",
+             lambda c: 0.0 if c.split else 1.0, "numSplits == 1 only"),
+    PathRule(MMA, "partialAcc[idx * kD + ch] = o;", lambda c: 1.0 if c.split else 0.0, "numSplits > 1 only"),
+    PathRule(MMA, "int64_t const idx = (token * p.numHeads + head) * plan.numSplits + wk.split;",
+             lambda c: 1.0 if c.split else 0.0, "numSplits > 1 only"),
+    # V channel groups (Gv = 32 = two m-tiles): the P'' / bias block runs for every second m-tile, and its inner
+    # `vgi == vg` update for one vgi of kD / 32. Both are runtime branches over unrolled copies with the same line
+    # info, so they are weighted by the share of copies that run (an average over the copies, exact in total when
+    # the copies have equal size).
+    PathRule(MMA, "int32_t const vg = 16 * mt / gv;\n                        int32_t const k0i", 0.5,
+             "(16 mt) % Gv == 0 for half of the m-tiles"),
+    PathRule(MMA, "float& vb0 = st.vb[vgi][0];", lambda c: 1.0 / (c.shape.head_dim // 32), "vgi == vg: 1 of D / 32"),
+)
+
+
+def _mma_loops() -> tuple[LoopSpec, ...]:
+    words_site = lambda c: ceil_div(KEY_TILE * c.shape.head_dim * BITS // 8, 512)  # bytes / (32 lanes x 16 B)
+    scale_site = lambda c: ceil_div(c.shape.head_dim * 2, 512)
+    return (
+        LoopSpec("tile", lambda c: 1, "BRA", MMA, "for (int32_t ci = c0; ci < c1; ++ci)"),
+        LoopSpec("qload", lambda c: MMA_TILE_ROWS * c.shape.head_dim // THREADS, "STS", MMA,
+                 "for (int32_t u = threadIdx.x; u < kTILE_ROWS * kD; u += kMMA_THREADS)", ("qS[n][u % kD] = x;",)),
+        LoopSpec("prologue", lambda c: MMA_STAGES - 1, "LDGDEPBAR", MMA,
+                 "for (int32_t i = 0; i < kMMA_STAGES - 1; ++i)", ("issue(c0 + i);",)),
+        LoopSpec("copy", scale_site, "LDGSTS", MMA, "for (int32_t o = lane * 16; o < bytes; o += 32 * 16)",
+                 ("cpAsync16(dst + o, src + o);",),
+                 sites=((MMA, "warpCopy(dst, kw, Geo::kKWORDS * 4, lane);", words_site),
+                        (MMA, "warpCopy(dst, vw, Geo::kVWORDS * 4, lane);", words_site))),
+        LoopSpec("out", lambda c: ceil_div(min(MMA_TILE_ROWS, c.shape.group_heads) * c.shape.head_dim, THREADS), "STG",
+                 MMA, "for (int32_t u = threadIdx.x; u < wk.nRows * kD; u += kMMA_THREADS)",
+                 ("partialAcc[idx * kD + ch] = o;",
+                  "out[(token * p.numHeads + head) * kD + ch] = ActTraits<T>::fromFloat(l > 0.F ? __fdiv_rn(o, l) : 0.F);")),
+    )
+
+
 _ARGS = "KiviStepParams, KiviLaunchPlan, SeqInfo const*, float*, float*"
 KERNELS: tuple[KernelSpec, ...] = (
     KernelSpec("simt", "kiviAttentionKernelI6__halfLi128", ("kiviAttention.cuh",),
-               f"template __global__ void kiviAttentionKernel<half, 128>({_ARGS});", True, THREADS, _simt_loops(),
-               SIMT_RULES, SIMT_COPIES, SIMT_SMEM, kivi_tile_bytes, kivi_code_words, 1,
+               f"template __global__ void kiviAttentionKernel<half, 128>({_ARGS});", THREADS, _simt_loops(),
+               SIMT_RULES, SIMT_COPIES, SIMT_SMEM, kivi_tile_bytes, kivi_code_words, 1, default_rank=1,
                note="today's default (attentionImpl 0/1): calibration subject"),
     KernelSpec("wmma", "kiviAttentionTcKernelI6__halfLi128", ("kiviAttentionTc.cuh",),
-               f"template __global__ void kiviAttentionTcKernel<half, 128>({_ARGS});", False, THREADS, _tc_loops(),
+               f"template __global__ void kiviAttentionTcKernel<half, 128>({_ARGS});", THREADS, _tc_loops(),
                TC_RULES, (), TC_SMEM, kivi_tile_bytes, kivi_code_words, 1,
                note="today's tensor-core kernel (attentionImpl 2): calibration subject"),
+    KernelSpec("mma", "kiviDecodeMmaKernelI6__halfLi128ELi2ELi2E", (MMA,),
+               f"template __global__ void kiviDecodeMmaKernel<half, 128, 2, 2>({_ARGS});", THREADS,
+               _mma_loops(), MMA_RULES, (), MMA_SMEM, kivi_tile_bytes, kivi_code_words, MMA_STAGES * MMA_WARPS,
+               tile_warps=1, dynamic_smem=lambda sh: MMA_WARPS * MMA_STAGES * mma_stage_bytes(sh),
+               plan=mma_launch_plan, default_rank=0,
+               note="mma.sync m16n8k16 over FRAGMENT-order codes (issue 12 item 2); the default where present"),
 )
 
 # Issue 12's hand count of today's kernels (sm_90, Llama-3-8B shapes, per 3,072-byte tile) and its prediction at batch
@@ -683,8 +789,13 @@ class Block:
         return self.instrs[-1].addr
 
 
+def _local_call(ins: Instr) -> bool:
+    """`CALL.REL.NOINC` to a label of the same function: sm_80 code uses it as a (conditional) jump out of a loop."""
+    return ins.base == "CALL" and "`(.L_x_" in ins.operands
+
+
 def basic_blocks(instrs: list[Instr]) -> list[Block]:
-    """Split at labels and after control transfers; edges: branch targets (BRA.DIV targets apart: the divergent
+    """Split at labels and after control transfers (a CALL to a local label is a jump); edges: branch targets (BRA.DIV targets apart: the divergent
     fallback, not taken by converged warps) and fall-through unless the branch/EXIT is unconditional."""
     blocks: list[Block] = []
     curr: list[Instr] = []
@@ -693,7 +804,7 @@ def basic_blocks(instrs: list[Instr]) -> list[Block]:
             blocks.append(Block(len(blocks), curr))
             curr = []
         curr.append(ins)
-        if ins.base in ("BRA", "BRX", "JMX", "JMP", "EXIT", "RET"):
+        if ins.base in ("BRA", "BRX", "JMX", "JMP", "EXIT", "RET") or _local_call(ins):
             blocks.append(Block(len(blocks), curr))
             curr = []
     if curr:
@@ -702,7 +813,7 @@ def basic_blocks(instrs: list[Instr]) -> list[Block]:
     for b in blocks:
         last = b.instrs[-1]
         m = re.search(r"`\(([^)]+)\)", last.operands)
-        if last.base == "BRA" and m and m.group(1) in by_label:
+        if (last.base == "BRA" or _local_call(last)) and m and m.group(1) in by_label:
             (b.div_succs if ".DIV" in last.opcode else b.succs).append(by_label[m.group(1)])
         uncond = not last.pred and last.base in ("BRA", "EXIT", "RET", "BRX", "JMX", "JMP") and ".DIV" not in last.opcode
         if not uncond and b.index + 1 < len(blocks):
@@ -784,6 +895,7 @@ class Count:
     by_class: Counter = field(default_factory=Counter)
     wavefronts: float = 0.0
     unmapped_smem: Counter = field(default_factory=Counter)  # "file:line op" -> executed warp-instructions
+    by_line: Counter = field(default_factory=Counter)  # "file:line" of the innermost frame in the kernel's headers
 
     @property
     def instructions(self) -> float:
@@ -793,7 +905,8 @@ class Count:
         return {"warp_instructions": round(self.instructions, 1),
                 "by_class": {k: round(v, 1) for k, v in sorted(self.by_class.items()) if v},
                 "wavefronts": round(self.wavefronts, 1),
-                "unmapped_smem": {k: round(v, 1) for k, v in sorted(self.unmapped_smem.items())}}
+                "unmapped_smem": {k: round(v, 1) for k, v in sorted(self.unmapped_smem.items())},
+                "hot_lines": [[k, round(v, 1)] for k, v in sorted(self.by_line.items(), key=lambda kv: (-kv[1], kv[0]))[:12]]}
 
 
 class KernelAnalysis:
@@ -804,12 +917,18 @@ class KernelAnalysis:
         files = {p.name: p for d in spec.include_dirs for p in sorted(d.glob("*.cuh")) + sorted(d.glob("*.h"))}
         self.files = files
         self.tags = find_tags(list(files.values()))
+        self._lines: dict[tuple[str, str], set[tuple[str, int]]] = {}
+        for ls in spec.loops:  # tags declared in the table (source text) instead of comments
+            if ls.loop_text:
+                first = min(n for _, n in self.lines_of(ls.file, ls.loop_text))
+                self.tags.setdefault(("LOOP", ls.tag), set()).add((str(self.files[ls.file].resolve()), first))
+            for text in ls.anchor_text:
+                self.tags.setdefault(("ANCHOR", ls.tag), set()).update(self.lines_of(ls.file, text))
         self.blocks = basic_blocks(instrs)
         self.live = reachable(self.blocks)
         self.loops = find_loops(self.blocks, self.live)
         self._name_loops()
         self._counts: dict[Ctx, tuple[Count, Count]] = {}
-        self._lines: dict[tuple[str, str], set[tuple[str, int]]] = {}
 
     # -- loops
     def _frames(self, ins: Instr) -> set[tuple[str, int]]:
@@ -889,8 +1008,9 @@ class KernelAnalysis:
                     if anchors & set(ins.stack) and op_class(ins.opcode) == sp.anchor_op:
                         straight[outer(ins.stack, anchors)] += 1
                         straight_blocks[outer(ins.stack, anchors)].add(bl.index)
-            total = sp.trips(ctx)
+            sites = [(self.lines_of(f, text), fn) for f, text, fn in sp.sites]
             for key in set(loops) | set(straight):
+                total = next((fn(ctx) for lines, fn in sites if lines & set(key)), sp.trips(ctx))
                 lis, left = loops.get(key, []), total - straight[key]
                 umax = max((self.loops[j].unroll for j in lis), default=0)
                 if lis and 0 < straight[key] < umax and left % umax:
@@ -989,19 +1109,21 @@ class KernelAnalysis:
         tile, rest = Count(), Count()
         smem = self._smem_patterns(ctx)
         warps = ceil_div(self.spec.threads, WARP)
+        tile_warps = self.spec.tile_warps or warps
         for b in self.blocks:
             wgt = weights[b.index] * scale.get(b.index, 1.0)
             if wgt == 0.0:
                 continue
-            n = wgt * warps
+            n = wgt * (tile_warps if self.loops[tl].contains(b.index) else warps)
             for li, lp in enumerate(self.loops):
                 if lp.contains(b.index) and li != tl:
                     n *= trips[li]
             target = tile if self.loops[tl].contains(b.index) else rest
             for ins in b.instrs:
-                cls = op_class(ins.opcode)
+                cls = "CTRL" if ins.pred == "@!PT" else op_class(ins.opcode)  # never-true predicate: a padding slot
                 target.by_class[cls] += n  # a predicated-off instruction still takes its issue slot
-                if cls in ("LDS", "STS", "LDSM", "STSM"):
+                target.by_line[self._where(ins)] += n
+                if cls in ("LDS", "STS", "LDSM", "STSM", "LDGSTS"):
                     wf = self._wavefronts(ins, cls, smem)
                     if wf is None:
                         key = f"{Path(ins.stack[0][0]).name}:{ins.stack[0][1]} {ins.opcode}" if ins.stack else ins.opcode
@@ -1009,6 +1131,12 @@ class KernelAnalysis:
                         wf = self._default_wavefronts(ins, cls)
                     target.wavefronts += n * wf
         return tile, rest
+
+    def _where(self, ins: Instr) -> str:
+        """The innermost frame in the kernel's own headers (not CUDA's), as file:line."""
+        own = {str(f.resolve()) for f in self.files.values()}
+        fr = next((f for f in ins.stack if f[0] in own), ins.stack[0] if ins.stack else ("?", 0))
+        return f"{Path(fr[0]).name}:{fr[1]}"
 
     def _smem_patterns(self, ctx: Ctx) -> list[tuple[set[tuple[str, int]], str, list[int | None]]]:
         return [(self.lines_of(a.file, a.text), a.op, a.lanes(ctx)) for a in self.spec.smem]
@@ -1066,6 +1194,17 @@ def tool_versions(nvcc: str, nvdisasm: str, cuobjdump: str) -> dict:
             "cuobjdump": first([cuobjdump, "--version"])}
 
 
+def present(spec: KernelSpec) -> bool:
+    """Whether the kernel's headers exist in its include dirs (a kernel not yet merged is skipped, and listed)."""
+    return all(any((d / h).exists() for d in spec.include_dirs) for h in spec.headers)
+
+
+def from_root(spec: KernelSpec, root: Path) -> KernelSpec:
+    """The same kernel compiled from another checkout's plugins/ (read-only): for a kernel not yet in this tree."""
+    return dataclasses.replace(spec, include_dirs=(root / "plugins" / "kernels" / "include",
+                                                   root / "plugins" / "include"))
+
+
 def analyze(specs: Sequence[KernelSpec] = KERNELS, archs: Sequence[str] = ARCHS, jobs: int = 2,
             work: Path | None = None) -> tuple[dict[tuple[str, str], KernelResult], dict]:
     """Compile, disassemble and analyze every (kernel, arch). Raises ToolMissing when nvcc / nvdisasm is absent."""
@@ -1074,7 +1213,7 @@ def analyze(specs: Sequence[KernelSpec] = KERNELS, archs: Sequence[str] = ARCHS,
     cuobjdump = find_wheel_tool("cuobjdump")
     tmp = tempfile.TemporaryDirectory(prefix="kernel_model_") if work is None else None
     wdir = Path(tmp.name) if tmp else work
-    jobs_list = [(s, a) for s in specs for a in archs if int(a.split("_")[1]) >= s.min_arch]
+    jobs_list = [(s, a) for s in specs for a in archs if int(a.split("_")[1]) >= s.min_arch and present(s)]
 
     def one(sa: tuple[KernelSpec, str]) -> KernelResult:
         spec, arch = sa
@@ -1106,7 +1245,7 @@ def _round(x: float, n: int = 3) -> float:
     return float(f"{x:.{n}g}") if abs(x) >= 1e-12 else 0.0
 
 
-def predict(result: KernelResult, gpu: Gpu, shape: ModelShape, batch: int, context: int) -> dict:
+def predict(result: KernelResult, gpu: Gpu, shape: ModelShape, batch: int, context: int, default: bool) -> dict:
     """One decode step of one layer: prepare + attention (+ combine) kernels. Time = sum over waves of max(issue,
     shared-memory, memory) + combine bytes at copy bandwidth + launches x launch_us. FP16: the K/V bytes at copy
     bandwidth + the same launches."""
@@ -1114,10 +1253,12 @@ def predict(result: KernelResult, gpu: Gpu, shape: ModelShape, batch: int, conte
     e = context  # sequence length after the step (past = context - 1, chunk 1), as benchmarks/bench_kernels.py
     past = e - 1
     nq = num_quantized(past)
-    plan = launch_plan(shape, batch, context, gpu.sms, e)
+    res = dataclasses.replace(result.resources, smem_bytes=result.resources.smem_bytes + spec.dynamic_smem(shape))
+    occ = occupancy(res, spec.threads, gpu)
+    plan = spec.plan(shape, batch, context, gpu.sms, e, occ["ctas_per_sm"]) if spec.plan else \
+        launch_plan(shape, batch, context, gpu.sms, e)
     ctx = Ctx(shape, plan.num_splits > 1)
     tile, rest = result.counts(ctx)
-    occ = occupancy(result.resources, spec.threads, gpu)
     slots = occ["ctas_per_sm"] * gpu.sms
     tile_bytes = spec.tile_bytes(shape)
     d = shape.head_dim
@@ -1162,7 +1303,7 @@ def predict(result: KernelResult, gpu: Gpu, shape: ModelShape, batch: int, conte
     need = gpu.copy_gbps * DRAM_LATENCY_NS / gpu.sms  # bytes per SM in flight to sustain copy bandwidth
     return {
         "gpu": gpu.name, "model": shape.name, "batch": batch, "context": context, "kernel": spec.name,
-        "default": spec.default, "predicted_us": _round(predicted, 4), "fp16_us": _round(fp16_us, 4),
+        "default": default, "predicted_us": _round(predicted, 4), "fp16_us": _round(fp16_us, 4),
         "speedup_vs_fp16": _round(fp16_us / predicted, 3), "bound": longest["bound"],
         "label": "static model, not a measurement",
         "arch": result.arch,
@@ -1173,7 +1314,8 @@ def predict(result: KernelResult, gpu: Gpu, shape: ModelShape, batch: int, conte
                  "waves": _round(len(ctas) / slots, 3) if slots else None, "num_sms_in_plan": gpu.sms},
         "waves": waves,
         "occupancy": occ,
-        "resources": {**dataclasses.asdict(result.resources), "cuobjdump": result.cuobjdump},
+        "resources": {**dataclasses.asdict(result.resources), "dynamic_smem_bytes": spec.dynamic_smem(shape),
+                      "cuobjdump": result.cuobjdump},
         "zero_spills": result.resources.spill_stores == 0 and result.resources.spill_loads == 0,
         "per_tile": {**tile.as_dict(), "bytes": tile_bytes,
                      "instructions_per_code_word": _round(tile.instructions * WARP / spec.code_words(shape), 4)},
@@ -1213,6 +1355,8 @@ def calibration(records: list[dict]) -> list[dict]:
 def build_records(results: dict[tuple[str, str], KernelResult], versions: dict,
                   gpus: Sequence[str] = tuple(GPUS), models: Sequence[str] = tuple(MODELS),
                   batches: Sequence[int] = BATCHES, contexts: Sequence[int] = CONTEXTS) -> list[dict]:
+    ranked = sorted((r.spec.default_rank, r.spec.name) for r in results.values() if r.spec.default_rank is not None)
+    default_name = ranked[0][1] if ranked else None
     records = []
     for g in gpus:
         gpu = GPUS[g]
@@ -1223,7 +1367,7 @@ def build_records(results: dict[tuple[str, str], KernelResult], versions: dict,
                         r = results.get((spec.name, gpu.arch))
                         if r is None:
                             continue
-                        rec = predict(r, gpu, MODELS[m], b, c)
+                        rec = predict(r, gpu, MODELS[m], b, c, spec.name == default_name)
                         rec["tools"] = versions
                         rec["gpu_spec"] = dataclasses.asdict(gpu)
                         records.append(rec)
@@ -1263,9 +1407,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="exit 1 when the default kernel is predicted issue- or shared-bound at Llama-3-8B, batch 8, "
                          "32K on H200")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--kernel-root", type=Path, default=None,
+                    help="compile the kernels whose headers this tree lacks (e.g. kiviDecodeMma.cuh) from this other "
+                         "checkout (read-only), to preview a kernel before it is merged")
     args = ap.parse_args(argv)
+    specs = [s if present(s) or args.kernel_root is None else from_root(s, args.kernel_root.resolve())
+             for s in KERNELS]
+    for s in specs:
+        if not present(s):
+            print(f"kernel_model: kernel {s.name!r} not in this tree ({', '.join(s.headers)} absent): skipped")
     try:
-        results, versions = analyze(jobs=args.jobs)
+        results, versions = analyze(specs, jobs=args.jobs)
     except ToolMissing as exc:
         print(f"kernel_model: {exc}", file=sys.stderr)
         return 2

@@ -118,6 +118,20 @@ def test_waves_of_issue_12():
     assert round(576 / 528, 2) == 1.09
 
 
+def test_mma_plan_fills_one_wave():
+    """The new kernel's split rule (splits = slots / (tiles x Hkv)): Llama-3-8B, batch 8, 32K, 3 CTAs/SM on 132 SMs ->
+    396 slots, 8 x 8 = 64 base CTAs, 6 splits of 5,472 keys = 384 CTAs, one wave; never more CTAs than slots while
+    tiles x Hkv fit in them."""
+    plan = km.mma_launch_plan(km.MODELS["llama-3-8b"], 8, 32768, 132, 32768, 3)
+    assert (plan.num_tiles, plan.num_splits, plan.split_len) == (8, 6, 5472)
+    for model in km.MODELS.values():
+        for batch in (1, 8, 32):
+            for ctx in (4096, 32768, 131072):
+                p = km.mma_launch_plan(model, batch, ctx, 132, ctx, 3)
+                base = p.num_tiles * model.num_kv_heads
+                assert base * p.num_splits <= max(396, base)
+
+
 def test_kivi_tile_bytes():
     assert km.kivi_tile_bytes(km.MODELS["llama-3-8b"]) == 3072  # issue 12's "3,072-byte tile"
     assert km.kivi_code_words(km.MODELS["llama-3-8b"]) == 512
@@ -138,6 +152,8 @@ SASS = """
         /*0030*/                   FFMA R4, R4, R5, R6 ;
         /*0040*/               @P1 BRA `(.L_x_2) ;
         /*0050*/                   BRA.DIV UR4, `(.L_x_3) ;
+        /*0058*/              @!PT LDS RZ, [RZ] ;
+        /*005c*/               @P2 CALL.REL.NOINC `(.L_x_1) ;
 .L_x_1:
         /*0060*/                   EXIT ;
 .L_x_3:
@@ -149,16 +165,19 @@ SASS = """
 def test_parse_sass_stacks_blocks_and_loops():
     funcs = km.parse_sass(SASS)
     ins = funcs["myKernel"]
-    assert [i.opcode for i in ins] == ["MOV", "LDS.128", "BRA", "FFMA", "BRA", "BRA.DIV", "EXIT", "WARPSYNC.ALL",
-                                       "BRA"]
+    assert [i.opcode for i in ins] == ["MOV", "LDS.128", "BRA", "FFMA", "BRA", "BRA.DIV", "LDS", "CALL.REL.NOINC",
+                                       "EXIT", "WARPSYNC.ALL", "BRA"]
     assert ins[1].stack == (("/x/c.cuh", 3), ("/x/k.cuh", 12))  # innermost first
     assert ins[2].stack == ins[1].stack and ins[2].pred == "@!P0"
     assert ins[3].label == ".L_x_2" and ins[3].stack == (("/x/k.cuh", 14),)
+    assert ins[6].pred == "@!PT"
     blocks = km.basic_blocks(ins)
-    assert [len(b.instrs) for b in blocks] == [3, 2, 1, 1, 2]
-    assert blocks[0].succs == [3, 1] and blocks[1].succs == [1, 2] and blocks[2].div_succs == [4]
+    # a CALL to a local label is a (here conditional) jump: sm_80 loops exit that way
+    assert [len(b.instrs) for b in blocks] == [3, 2, 1, 2, 1, 2]
+    assert blocks[0].succs == [4, 1] and blocks[1].succs == [1, 2] and blocks[2].div_succs == [5]
+    assert blocks[3].succs == [4, 4]
     live = km.reachable(blocks)
-    assert live == {0, 1, 2, 3}  # the BRA.DIV fallback is not reached by converged warps
+    assert live == {0, 1, 2, 3, 4}  # the BRA.DIV fallback is not reached by converged warps
     loops = km.find_loops(blocks, live)
     assert [(lp.head, lp.tail) for lp in loops] == [(1, 1)]
     assert km.op_class("LDS.128") == "LDS" and km.op_class("HMMA.16816.F32") == "MMA"
@@ -173,6 +192,11 @@ def test_parse_ptxas():
             "'sm_90'\nptxas info    : Used 20 registers\n")
     assert km.parse_ptxas(text, "3foo") == km.Resources(40, 2048, 8, 4, 4)
     assert km.parse_ptxas(text, "3bar") == km.Resources(20, 0, 0, 0, 0)
+
+
+def test_a_kernel_absent_from_the_tree_is_skipped(tmp_path):
+    spec = km.from_root(km.KERNELS[0], tmp_path)  # no plugins/ there
+    assert not km.present(spec) and km.present(km.KERNELS[0])
 
 
 def test_missing_tools_are_named(monkeypatch, capsys):
@@ -210,7 +234,7 @@ __global__ void tinyKernel(float const* __restrict__ x, float* y, int tiles)
 def _tiny_spec(tmp_path: Path, pragma: str):
     (tmp_path / "tiny.cuh").write_text(TINY.replace("PRAGMA", pragma))
     return km.KernelSpec(
-        "tiny", "10tinyKernel", ("tiny.cuh",), "", False, 128,
+        "tiny", "10tinyKernel", ("tiny.cuh",), "", 128,
         (km.LoopSpec("tile", lambda c: 1, "BRA"), km.LoopSpec("fill", lambda c: 4, "STS")), (), (),
         (km.SmemAccess("tiny.cuh", "acc += s[(threadIdx.x * 32) % 512];", "LDS",
                        km._lanes(lambda lane: (lane * 32) % 512 * 4), "stride 32 words"),
@@ -268,7 +292,9 @@ def test_calibration_against_issue_12(sm90_results):
 @pytest.mark.slow
 def test_records_have_the_contract_fields(sm90_results):
     records = _h200_records(*sm90_results)
-    assert len(records) == 2 * 2 * 3 * 3
+    kernels = {name for name, _ in sm90_results[0]}
+    assert kernels == {s.name for s in km.KERNELS if km.present(s)}
+    assert len(records) == len(kernels) * 2 * 3 * 3
     for r in records:
         assert {"gpu", "model", "batch", "context", "kernel", "default", "predicted_us", "fp16_us",
                 "speedup_vs_fp16", "bound"} <= set(r)
