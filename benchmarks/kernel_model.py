@@ -1389,13 +1389,22 @@ def gate_default_memory_bound(records: list[dict]) -> str | None:
 
 
 def markdown_table(records: list[dict]) -> str:
-    lines = ["Static model, not a measurement (benchmarks/kernel_model.py; per layer, one decode step).", "",
-             "| gpu | model | batch | context | kernel | default | predicted us | FP16 us | vs FP16 | bound |",
-             "|---|---|---:|---:|---|---|---:|---:|---:|---|"]
+    """One row per (GPU, model, batch, context), the kernels side by side (the default marked *)."""
+    kernels = list(dict.fromkeys(r["kernel"] for r in records))
+    default = {r["kernel"] for r in records if r["default"]}
+    head = " | ".join(f"{k}{'*' if k in default else ''} us | vs FP16 | bound" for k in kernels)
+    lines = ["Static model, not a measurement: benchmarks/kernel_model.py, one decode step of one layer (attention "
+             "kernels + launches), FP16 = its K/V bytes at copy bandwidth + the same launches. * = default kernel.", "",
+             f"| GPU | model | batch | context | FP16 us | {head} |",
+             "|---|---|---:|---:|---:|" + "---:|---:|---|" * len(kernels)]
+    rows: dict[tuple, dict[str, dict]] = {}
     for r in records:
-        lines.append(f"| {r['gpu']} | {r['model']} | {r['batch']} | {r['context'] // 1024}K | {r['kernel']} | "
-                     f"{'yes' if r['default'] else ''} | {r['predicted_us']:g} | {r['fp16_us']:g} | "
-                     f"{r['speedup_vs_fp16']:g}x | {r['bound']} |")
+        rows.setdefault((r["gpu"], r["model"], r["batch"], r["context"]), {})[r["kernel"]] = r
+    for (g, m, b, c), by in rows.items():
+        fp16 = next(iter(by.values()))["fp16_us"]
+        cells = " | ".join(f"{by[k]['predicted_us']:g} | {by[k]['speedup_vs_fp16']:g}x | {by[k]['bound']}"
+                           if k in by else "- | - | -" for k in kernels)
+        lines.append(f"| {g} | {m} | {b} | {c // 1024}K | {fp16:g} | {cells} |")
     return "\n".join(lines) + "\n"
 
 
