@@ -33,6 +33,7 @@ class ServingConfig:
     max_batch_tokens: int = 512
     default_max_tokens: int = 64
     num_threads: int | None = None  # torch CPU threads in the serving process (None: torch's default)
+    attention_backend: str = "auto"  # KIVI attention backend of the torch runner (cache.BACKEND_CHOICES)
     package_root: str = PACKAGE_ROOT  # where `import trtllm_kivi` comes from inside the Triton python backend
 
     def __post_init__(self) -> None:
@@ -50,7 +51,7 @@ class ServingConfig:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
 
     @classmethod
-    def from_json(cls, text: str) -> "ServingConfig":
+    def from_json(cls, text: str) -> ServingConfig:
         d = json.loads(text)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
@@ -73,17 +74,20 @@ def load_runner(cfg: ServingConfig):
     from ..runtime.torch_runner import TorchRunner
 
     spec = parse_kv(cfg.kv, **cfg.kv_options)  # validate before the (slow) model load
+    assert cfg.model is not None  # __post_init__: exactly one of model / engine
     model, tok, mcfg = load_model(cfg.model, cfg.dtype, cfg.device)
     if cfg.max_seq_len > mcfg.max_seq_len:
         raise ValueError(f"max_seq_len={cfg.max_seq_len} exceeds the model's context of {mcfg.max_seq_len} tokens")
-    return TorchRunner.create(model, spec, cfg.max_slots, cfg.max_seq_len), tok
+    return TorchRunner.create(model, spec, cfg.max_slots, cfg.max_seq_len, backend=cfg.attention_backend), tok
 
 
 def _load_engine(cfg: ServingConfig):
     """The builder's factory picks the runner (tensorrt with an engine + GPU, else onnxruntime); the folder's own
     capacity (max batch size, max sequence length) applies, not cfg.max_slots / cfg.max_seq_len."""
-    from ..runtime.select import BuildFolder, load_runner as load_build
+    from ..runtime.build_folder import BuildFolder
+    from ..runtime.select import load_runner as load_build
 
+    assert cfg.engine is not None
     runner, _why = load_build(cfg.engine, threads=cfg.num_threads)
     return runner, BuildFolder.open(cfg.engine).tokenizer()
 
