@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import importlib.util
 import json
-import math
 import re
 import shutil
 import subprocess
@@ -39,7 +38,8 @@ from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_INCLUDE = ROOT / "plugins" / "kernels" / "include"
@@ -287,7 +287,7 @@ class KernelSpec:
     note: str = ""
     tile_warps: int | None = None  # warps that process one key tile (None: all warps of the CTA together)
     dynamic_smem: Callable[[ModelShape], int] = lambda shape: 0  # bytes the launcher passes (beyond ptxas' static)
-    plan: Callable[..., "Plan"] | None = None  # launch plan (None: today's kiviLaunchPlan, launch_plan below)
+    plan: Callable[..., Plan] | None = None  # launch plan (None: today's kiviLaunchPlan, launch_plan below)
     default_rank: int | None = None  # the present kernel with the lowest rank is the default (None: never)
 
 
@@ -385,8 +385,13 @@ SIMT_COPIES = (
 )
 
 
+def _tile_words(c: Ctx) -> int:
+    """Code words of K (or V) per 32-key tile."""
+    return KEY_TILE * c.shape.head_dim // (32 // BITS)
+
+
 def _simt_loops() -> tuple[LoopSpec, ...]:
-    words = lambda c: KEY_TILE * c.shape.head_dim // (32 // BITS)  # code words of K (or V) per tile
+    words = _tile_words
     return (
         LoopSpec("tile", lambda c: 1, "BRA"),
         LoopSpec("kwords", lambda c: ceil_div(words(c), THREADS), "LDG"),
@@ -480,7 +485,7 @@ TC_RULES = (
 
 
 def _tc_loops() -> tuple[LoopSpec, ...]:
-    words = lambda c: KEY_TILE * c.shape.head_dim // (32 // BITS)
+    words = _tile_words
     return (
         LoopSpec("tile", lambda c: 1, "BRA"),
         LoopSpec("kwords", lambda c: ceil_div(words(c), THREADS), "LDG"),
@@ -563,8 +568,12 @@ MMA_RULES = (
 
 
 def _mma_loops() -> tuple[LoopSpec, ...]:
-    words_site = lambda c: ceil_div(KEY_TILE * c.shape.head_dim * BITS // 8, 512)  # bytes / (32 lanes x 16 B)
-    scale_site = lambda c: ceil_div(c.shape.head_dim * 2, 512)
+    def words_site(c: Ctx) -> int:  # warpCopy of one tile's K (or V) words: bytes / (32 lanes x 16 B)
+        return ceil_div(KEY_TILE * c.shape.head_dim * BITS // 8, 512)
+
+    def scale_site(c: Ctx) -> int:  # warpCopy of D (or 32 x D / Gv) fp16 scales or zeros
+        return ceil_div(c.shape.head_dim * 2, 512)
+
     return (
         LoopSpec("tile", lambda c: 1, "BRA", MMA, "for (int32_t ci = c0; ci < c1; ++ci)"),
         LoopSpec("qload", lambda c: MMA_TILE_ROWS * c.shape.head_dim // THREADS, "STS", MMA,
@@ -661,7 +670,11 @@ def parse_ptxas(text: str, symbol: str) -> Resources:
             block = part
     if block is None:
         raise RuntimeError(f"ptxas -v has no entry function matching {symbol!r}")
-    num = lambda pat: int(m.group(1)) if (m := re.search(pat, block)) else 0
+
+    def num(pat: str) -> int:
+        m = re.search(pat, block)
+        return int(m.group(1)) if m else 0
+
     return Resources(num(r"Used (\d+) registers"), num(r"(\d+) bytes smem"), num(r"(\d+) bytes stack frame"),
                      num(r"(\d+) bytes spill stores"), num(r"(\d+) bytes spill loads"))
 
@@ -892,10 +905,10 @@ def find_tags(paths: Sequence[Path]) -> dict[tuple[str, str], set[tuple[str, int
 @dataclass
 class Count:
     """Executed warp-instructions (per CTA, summed over its warps) and shared-memory wavefronts."""
-    by_class: Counter = field(default_factory=Counter)
+    by_class: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     wavefronts: float = 0.0
-    unmapped_smem: Counter = field(default_factory=Counter)  # "file:line op" -> executed warp-instructions
-    by_line: Counter = field(default_factory=Counter)  # "file:line" of the innermost frame in the kernel's headers
+    unmapped_smem: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # "file:line op"
+    by_line: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # innermost own "file:line"
 
     @property
     def instructions(self) -> float:
@@ -919,11 +932,13 @@ class KernelAnalysis:
         self.tags = find_tags(list(files.values()))
         self._lines: dict[tuple[str, str], set[tuple[str, int]]] = {}
         for ls in spec.loops:  # tags declared in the table (source text) instead of comments
-            if ls.loop_text:
+            if (ls.loop_text or ls.anchor_text) and not ls.file:
+                raise ValueError(f"loop {ls.tag} of {spec.name}: loop_text / anchor_text need the file")
+            if ls.loop_text and ls.file:
                 first = min(n for _, n in self.lines_of(ls.file, ls.loop_text))
                 self.tags.setdefault(("LOOP", ls.tag), set()).add((str(self.files[ls.file].resolve()), first))
             for text in ls.anchor_text:
-                self.tags.setdefault(("ANCHOR", ls.tag), set()).update(self.lines_of(ls.file, text))
+                self.tags.setdefault(("ANCHOR", ls.tag), set()).update(self.lines_of(ls.file or "", text))
         self.blocks = basic_blocks(instrs)
         self.live = reachable(self.blocks)
         self.loops = find_loops(self.blocks, self.live)
@@ -1162,11 +1177,11 @@ class KernelAnalysis:
         weights = self._weights(ctx)
         out = []
         for lp in self.loops:
-            if lp.tag is None or lp.tag not in {s.tag for s in self.spec.loops}:
-                if any(weights[i] > 0 for i in range(lp.head, lp.tail + 1)):
-                    back = self.blocks[lp.tail].instrs[-1]
-                    where = f"{Path(back.stack[-1][0]).name}:{back.stack[-1][1]}" if back.stack else "?"
-                    out.append(f"blocks {lp.head}-{lp.tail} (back edge at {where})")
+            untagged = lp.tag is None or lp.tag not in {s.tag for s in self.spec.loops}
+            if untagged and any(weights[i] > 0 for i in range(lp.head, lp.tail + 1)):
+                back = self.blocks[lp.tail].instrs[-1]
+                where = f"{Path(back.stack[-1][0]).name}:{back.stack[-1][1]}" if back.stack else "?"
+                out.append(f"blocks {lp.head}-{lp.tail} (back edge at {where})")
         return out
 
 
@@ -1212,7 +1227,7 @@ def analyze(specs: Sequence[KernelSpec] = KERNELS, archs: Sequence[str] = ARCHS,
     nvdisasm = find_wheel_tool("nvdisasm")
     cuobjdump = find_wheel_tool("cuobjdump")
     tmp = tempfile.TemporaryDirectory(prefix="kernel_model_") if work is None else None
-    wdir = Path(tmp.name) if tmp else work
+    wdir = Path(tmp.name) if tmp else Path(work or ".")
     jobs_list = [(s, a) for s in specs for a in archs if int(a.split("_")[1]) >= s.min_arch and present(s)]
 
     def one(sa: tuple[KernelSpec, str]) -> KernelResult:
@@ -1277,7 +1292,7 @@ def predict(result: KernelResult, gpu: Gpu, shape: ModelShape, batch: int, conte
         nbytes = q_tiles * tile_bytes + w_keys * d * 2 * 2 + shape.group_heads * d * (2 + 4)
         cost = (rest.instructions + tiles * tile.instructions, rest.wavefronts + tiles * tile.wavefronts, nbytes)
         ctas.extend([cost] * (batch * shape.num_kv_heads))
-    waves = []
+    waves: list[dict[str, Any]] = []
     issue_rate = gpu.issue_per_clk_per_sm * gpu.clock_ghz * 1e3  # warp-instructions per us per SM
     smem_rate = gpu.smem_wavefronts_per_clk_per_sm * gpu.clock_ghz * 1e3
     bw = gpu.copy_gbps * 1e3  # bytes per us
@@ -1320,7 +1335,8 @@ def predict(result: KernelResult, gpu: Gpu, shape: ModelShape, batch: int, conte
         "per_tile": {**tile.as_dict(), "bytes": tile_bytes,
                      "instructions_per_code_word": _round(tile.instructions * WARP / spec.code_words(shape), 4)},
         "per_cta_outside_tile_loop": {"warp_instructions": round(rest.instructions, 1),
-                                      "wavefronts": round(rest.wavefronts, 1)},
+                                      "wavefronts": round(rest.wavefronts, 1),
+                                      "untagged_loops_counted_once": result.analysis.check_loops(ctx)},
         "bytes_in_flight_per_sm": {"provided": in_flight, "needed_at_copy_bw": round(need),
                                    "assumed_latency_ns": DRAM_LATENCY_NS},
     }
