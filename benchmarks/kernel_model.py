@@ -241,6 +241,7 @@ class PathRule:
     text: str
     weight: Weight
     why: str
+    optional: bool = False  # the text may be absent (e.g. a specialization a kernel version does not have)
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,7 @@ class SmemAccess:
     `text`; `lanes` takes (ctx) and returns 32 addresses (None = inactive), e.g. from a lane-level emulation."""
     file: str
     text: str
-    op: str  # LDS | STS | LDSM
+    op: str  # LDS | STS | LDSM | LDGSTS; LDS / STS also match a generic LD / ST from that line (staged data)
     lanes: Callable[[Ctx], list[int | None]]
     note: str
 
@@ -523,9 +524,9 @@ def mma_stage_bytes(shape: ModelShape) -> int:
     return kivi_tile_bytes(shape)  # K + V words of a 32-key chunk + K scale/zero [D] + V scale/zero [32][D / Gv]
 
 
-def _mma_q_lanes(lane: int) -> int:  # float2 qS[g][16 kb + 8 reg + 2 t]: rows 512 B apart -> 8-way on 8 banks
+def _mma_q_lanes(lane: int) -> int:  # float2 qS[g][16 kb + 8 reg + 2 t], rows of D + 8 floats (544 B)
     g, t = lane // 4, lane % 4
-    return g * 128 * 4 + 2 * t * 4
+    return g * 136 * 4 + 2 * t * 4
 
 
 MMA_SMEM = (
@@ -534,10 +535,13 @@ MMA_SMEM = (
     SmemAccess(MMA, "w[j] = src[j];\n                }\n                int32_t const vGroups", "LDS",
                _lanes(lambda lane: lane * 16), "V words: 16 contiguous bytes per lane"),
     SmemAccess(MMA, "float2 const qq = *reinterpret_cast<float2 const*>(&qS[g][ch]);", "LDS", _lanes(_mma_q_lanes),
-               "q row g = lane / 4 (rows of 128 floats: same banks), channels 2 t, 2 t + 1: 8-way"),
+               "q row g = lane / 4 (rows of D + 8 = 136 floats), channels 2 t, 2 t + 1: conflict-free"),
     SmemAccess(MMA, "return loadScale(base, i, dtype);", "LDS",
-               _lanes(lambda lane: (lane % 4) * 4), "staged scale/zero: K by channel 2 t (+1), broadcast over g; "
-               "V by key g (8 halves 8 B apart): one wavefront either way"),
+               _lanes(lambda lane: (lane // 4) * 8), "staged V scale/zero through a generic pointer: key g = lane / 4 "
+               "(8 halves 8 B apart, broadcast over t): one wavefront"),
+    SmemAccess(MMA, "return __half22float2(*reinterpret_cast<__half2 const*>(base + ch * 2));", "LDS",
+               _lanes(lambda lane: (lane % 4) * 4), "staged K scale/zero pair of channels 2 t, 2 t + 1 (generic "
+               "pointer), broadcast over g: one wavefront"),
     SmemAccess(MMA, "qS[n][u % kD] = x;", "STS", _lanes(lambda lane: lane * 4), "consecutive words"),
     SmemAccess(MMA, "cpAsync16(dst + o, src + o);", "LDGSTS", _lanes(lambda lane: lane * 16),
                "cp.async 16 B per lane, contiguous"),
@@ -546,6 +550,10 @@ MMA_SMEM = (
 MMA_RULES = (
     PathRule(COMMON, LOADSCALE_BF16, 0, "fp16 scales: loadScale returns at the first test"),
     PathRule(COMMON, "return static_cast<float const*>(ptr)[idx];", 0, "fp16 scales"),
+    PathRule(MMA, "computeQPrime<T, kD, __nv_bfloat16, AffK>(qS, kScale, kZero, g, t, qB, biasS);", 0,
+             "fp16 scales", optional=True),
+    PathRule(MMA, "computeQPrime<T, kD, float, AffK>(qS, kScale, kZero, g, t, qB, biasS);", 0, "fp16 scales",
+             optional=True),
     PathRule(MMA, "loadFullPrecisionScores<T, kD>(p, wk, qS, kt, g, t, sc);", 0,
              "quantized chunks (the window's <= 5 chunks are charged at the quantized chunk's instructions)"),
     PathRule(MMA, "accumulateFullPrecisionValues<T, kD>(p, wk, kt, g, t, sc, st);", 0, "quantized chunks"),
@@ -1068,7 +1076,9 @@ class KernelAnalysis:
         return self._lines[(file, text)]
 
     def _rule_lines(self) -> list[tuple[set[tuple[str, int]], PathRule]]:
-        return [(self.lines_of(r.file, r.text), r) for r in self.spec.rules]
+        src = {r.file: self.files[r.file].read_text() for r in self.spec.rules}
+        return [(self.lines_of(r.file, r.text), r) for r in self.spec.rules
+                if not (r.optional and r.text not in src[r.file])]
 
     def _weights(self, ctx: Ctx) -> dict[int, float]:
         rules = self._rule_lines()
@@ -1138,8 +1148,11 @@ class KernelAnalysis:
                 cls = "CTRL" if ins.pred == "@!PT" else op_class(ins.opcode)  # never-true predicate: a padding slot
                 target.by_class[cls] += n  # a predicated-off instruction still takes its issue slot
                 target.by_line[self._where(ins)] += n
-                if cls in ("LDS", "STS", "LDSM", "STSM", "LDGSTS"):
+                generic = cls in ("LD", "ST")  # generic: shared memory only where a SmemAccess declares it
+                if cls in ("LDS", "STS", "LDSM", "STSM", "LDGSTS") or generic:
                     wf = self._wavefronts(ins, cls, smem)
+                    if wf is None and generic:
+                        continue
                     if wf is None:
                         key = f"{Path(ins.stack[0][0]).name}:{ins.stack[0][1]} {ins.opcode}" if ins.stack else ins.opcode
                         target.unmapped_smem[key] += n
@@ -1158,8 +1171,8 @@ class KernelAnalysis:
 
     def _wavefronts(self, ins: Instr, cls: str, smem) -> int | None:
         frames = set(ins.stack)
-        for lines, op, lanes in smem:
-            if op == cls and lines & frames:
+        for lines, op, lanes in smem:  # a generic LD / ST matches a declared LDS / STS
+            if (op == cls or (cls, op) in (("LD", "LDS"), ("ST", "STS"))) and lines & frames:
                 return wavefronts(lanes, smem_width(ins.opcode))
         return None
 
