@@ -1350,6 +1350,12 @@ def predict(result: KernelResult, gpu: Gpu, shape: ModelShape, batch: int, conte
         "per_cta_outside_tile_loop": {"warp_instructions": round(rest.instructions, 1),
                                       "wavefronts": round(rest.wavefronts, 1),
                                       "untagged_loops_counted_once": result.analysis.check_loops(ctx)},
+        # what a tile may cost for the kernel to run at 85% of copy bandwidth on this GPU (issue 12's budget)
+        "budget_per_tile_at_85pct_copy_bw": {
+            "warp_instructions": round(gpu.issue_per_clk_per_sm * gpu.clock_ghz * 1e3 * gpu.sms * tile_bytes
+                                       / (0.85 * bw), 1),
+            "wavefronts": round(gpu.smem_wavefronts_per_clk_per_sm * gpu.clock_ghz * 1e3 * gpu.sms * tile_bytes
+                                / (0.85 * bw), 1)},
         "bytes_in_flight_per_sm": {"provided": in_flight, "needed_at_copy_bw": round(need),
                                    "assumed_latency_ns": DRAM_LATENCY_NS},
     }

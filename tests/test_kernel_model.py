@@ -309,6 +309,9 @@ def test_records_have_the_contract_fields(sm90_results):
         assert r["zero_spills"] is (r["resources"]["spill_stores"] == 0 and r["resources"]["spill_loads"] == 0)
         assert r["resources"]["cuobjdump"]["REG"] == r["resources"]["registers"]
         assert not r["per_tile"]["unmapped_smem"], r["per_tile"]["unmapped_smem"]
+        if r["gpu"] == "H200":  # issue 12: <= 880 issue slots and ~220 wavefronts per 3,072-byte tile
+            assert round(r["budget_per_tile_at_85pct_copy_bw"]["warp_instructions"], -1) == 880
+            assert round(r["budget_per_tile_at_85pct_copy_bw"]["wavefronts"], -1) == 220
     assert sum(r["default"] for r in records if r["model"] == "llama-3-8b" and r["batch"] == 8
                and r["context"] == 32768) == 1
 
