@@ -35,7 +35,8 @@ from trtllm_kivi.format import KiviConfig  # noqa: E402
 from trtllm_kivi.reference.attention import KiviBuffers  # noqa: E402
 
 # (layers, heads, kv heads, head_dim, layers used): Llama-3-8B's 32 layers of FP16 cache at batch 8 x 8K would be
-# 17 GiB; 8 of its layers (4.3 GiB FP16, 0.8 GiB KIVI-2) are already > 100x the L3.
+# 8 GiB (too much for a shared 23 GiB machine); 8 of its layers (2.0 GiB FP16, 0.45 GiB KIVI-2) are already
+# > 14x the 32 MiB L3.
 GEOMETRIES = {"smollm2-135m": (30, 9, 3, 64, 30), "llama3-8b": (32, 32, 8, 128, 8)}
 
 
