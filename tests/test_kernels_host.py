@@ -44,7 +44,7 @@ def make(cfg: KiviConfig = KiviConfig(), h: int = 32, hkv: int = 8, d: int = 128
     vals = dict(numHeads=h, numKvHeads=hkv, headDim=d, kBits=cfg.k_bits, vBits=cfg.v_bits, groupSize=cfg.group_size,
                 residualLength=cfg.residual_length, blockSize=cfg.block_size, scaleDtype=0, keyGrouping=0,
                 actDtype=0, batch=batch, numTokens=tokens, maxChunkLen=0, maxSeqLen=0, numBlocks=1000, numSlots=8,
-                maxBlocksPerSeq=64, numSms=0)
+                maxBlocksPerSeq=64, numSms=0, ctasPerSm=0)
     for i, name in enumerate(_abi._PTR_FIELDS):
         setattr(p, name, 0x100000 * (i + 1))
     vals.update(over)
@@ -87,10 +87,13 @@ def test_valid_params_pass(host_lib):
     (dict(q=None), r"q is a null pointer"),
     (dict(vWindow=None), r"v_window is a null pointer"),
     (dict(k=0x100008), r"k=0x100008 is not 16-byte aligned"),
-    (dict(kScale=0x100001), r"k_scale=0x100001 is not 2-byte aligned"),
+    (dict(kScale=0x100008), r"k_scale=0x100008 is not 16-byte aligned"),
     (dict(numBlocks=0), r"num_blocks=0, .*must be positive"),
     (dict(batch=-1), r"batch=-1 and num_tokens=4 must be >= 0"),
-    (dict(attentionImpl=3), r"attention_impl=3 is not supported; allowed: 0 \(auto\), 1 \(simt\), 2 \(tensor_core\)"),
+    (dict(attentionImpl=4), r"attention_impl=4 is not supported; allowed: 0 \(auto\), 3 \(mma\)"),
+    (dict(attentionImpl=1), r"attention_impl=1 \(legacy SIMT/WMMA kernel\) reads the FORMAT_VERSION 1 code layout"),
+    (dict(attentionImpl=2), r"attention_impl=2 \(legacy"),
+    (dict(ctasPerSm=-1), r"ctas_per_sm=-1 is out of range; allowed: 0 \(= 3\) \.\. 64"),
     (dict(numSms=-1), r"num_sms=-1 must be >= 0"),
 ])
 def test_validation_names_the_bad_value(host_lib, over, match):
@@ -145,12 +148,15 @@ def test_launch_plan_matches_the_model_and_bounds_the_work(host_lib):
         mbs = rng.choice((1, 8, 1024))
         max_seq = rng.choice((0, 0, min(rng.randint(1, 5000), mbs * 128 + cfg.window_capacity)))
         sms = rng.choice((0, 1, 132, 1000))
+        cps = rng.choice((0, 1, 4, 7))
         p = make(cfg, h=hkv * grp, hkv=hkv, d=rng.choice((64, 128)), batch=batch, tokens=tokens,
-                 maxBlocksPerSeq=mbs, maxSeqLen=max_seq, numSms=sms)
+                 maxBlocksPerSeq=mbs, maxSeqLen=max_seq, numSms=sms, ctasPerSm=cps)
         got = host_lib.launch_plan(p)
-        want = model.launch_plan(cfg, hkv * grp, hkv, p.headDim, batch, tokens, mbs, 0, max_seq, sms)
+        want = model.launch_plan(cfg, hkv * grp, hkv, p.headDim, batch, tokens, mbs, 0, max_seq, sms, cps)
         assert got == want.__dict__, (got, want)
-        assert want.num_tiles >= sum(math.ceil(c / want.tile_tokens) for c in chunks)
+        assert want.num_tiles >= sum(math.ceil(c * grp / want.tile_rows) for c in chunks)
+        slots = (sms or 132) * (cps or 4)
+        assert want.num_tiles * hkv * want.num_splits <= max(slots, want.num_tiles * hkv)  # never past one wave
         assert want.split_len % 32 == 0 and want.num_splits * want.split_len >= want.max_seq_len
         assert (want.num_splits - 1) * want.split_len < want.max_seq_len  # no split is empty for every length
         for c in chunks:

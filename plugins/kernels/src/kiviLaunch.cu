@@ -3,6 +3,8 @@
 #include "kiviKernels.h"
 #include "kiviLaunchTemplates.cuh"
 
+#include <cstdio>
+
 namespace trtllm_kivi
 {
 namespace kernels
@@ -13,7 +15,10 @@ namespace kernels
     extern template cudaError_t launchKiviAttention<T, D>(                                                             \
         KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*, float*, float*, cudaStream_t);                   \
     extern template cudaError_t launchKiviAppend<T, D>(                                                                \
-        KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*, cudaStream_t);
+        KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*, cudaStream_t);                                   \
+    extern template cudaError_t launchLegacyAttention<T, D>(                                                           \
+        KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*, float*, float*, cudaStream_t);                   \
+    extern template int32_t mmaCtasPerSm<T, D>(KiviStepParams const&);
 KIVI_EXTERN_LAUNCHERS(half, 64)
 KIVI_EXTERN_LAUNCHERS(half, 128)
 KIVI_EXTERN_LAUNCHERS(__nv_bfloat16, 64)
@@ -38,7 +43,7 @@ __global__ void __launch_bounds__(128) kiviPrepareKernel(KiviStepParams p, KiviL
     {
         int64_t const c = max(p.chunkLen[j], 0);
         tokens += c;
-        tiles += (c + plan.tileTokens - 1) / plan.tileTokens;
+        tiles += (c * plan.groupHeads + plan.tileRows - 1) / plan.tileRows;
     }
     sTokens[threadIdx.x] = tokens;
     sTiles[threadIdx.x] = tiles;
@@ -100,7 +105,7 @@ __global__ void __launch_bounds__(128) kiviPrepareKernel(KiviStepParams p, KiviL
         SeqInfo info;
         info.tokenOffset = static_cast<int32_t>(tokenOffset < p.numTokens ? tokenOffset : p.numTokens);
         info.tileOffset = static_cast<int32_t>(tileOffset);
-        info.tileCount = static_cast<int32_t>((rows + plan.tileTokens - 1) / plan.tileTokens);
+        info.tileCount = static_cast<int32_t>((rows * plan.groupHeads + plan.tileRows - 1) / plan.tileRows);
         info.valid = err == 0 ? 1 : 0;
         // This sequence's length e spread over all numSplits splits (whole 32-key tiles, at least kMIN_SPLIT_LEN),
         // so a short sequence in an engine sized for long ones still uses the splits: numSplits * splitLen >= e.
@@ -135,6 +140,36 @@ cudaError_t dispatchPhases(KiviStepParams const& p, KiviLaunchPlan const& plan, 
     return cudaSuccess;
 }
 
+//! The attention kernel needs mma.sync with bf16 and cp.async: sm_80 or newer. Refused with a message otherwise.
+cudaError_t checkArch(char* msg, size_t msgLen)
+{
+    int32_t dev = 0;
+    int32_t major = 0;
+    int32_t minor = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err == cudaSuccess)
+    {
+        err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    }
+    if (err == cudaSuccess)
+    {
+        err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    }
+    if (err != cudaSuccess)
+    {
+        return err;
+    }
+    if (major < 8)
+    {
+        snprintf(msg, msgLen,
+            "the KIVI attention kernel needs compute capability 8.0 or newer (mma.sync bf16/f16, cp.async); device %d "
+            "is sm_%d%d",
+            dev, major, minor);
+        return cudaErrorInvalidDevice;
+    }
+    return cudaSuccess;
+}
+
 cudaError_t invokePhases(KiviStepParams const& p, int32_t phase, cudaStream_t stream)
 {
     char msg[512];
@@ -142,6 +177,15 @@ cudaError_t invokePhases(KiviStepParams const& p, int32_t phase, cudaStream_t st
     {
         kiviSetLastErrorMessage(msg);
         return cudaErrorInvalidValue;
+    }
+    if (phase & kPHASE_ATTENTION)
+    {
+        cudaError_t const err = checkArch(msg, sizeof(msg));
+        if (err != cudaSuccess)
+        {
+            kiviSetLastErrorMessage(err == cudaErrorInvalidDevice ? msg : "cudaGetDevice/cudaDeviceGetAttribute failed");
+            return err;
+        }
     }
     kiviSetLastErrorMessage("");
     if (p.batch == 0 || p.numTokens == 0)
@@ -179,6 +223,21 @@ cudaError_t invokePhases(KiviStepParams const& p, int32_t phase, cudaStream_t st
 }
 
 } // namespace
+
+int32_t kiviAttentionCtasPerSm(KiviStepParams const& p)
+{
+    // Only the kernel choice (head_dim, dtype, bits, scale dtype, G) matters: no pointers are needed.
+    bool const bf16 = p.actDtype == kKIVI_BFLOAT16;
+    if (p.headDim == 64)
+    {
+        return bf16 ? mmaCtasPerSm<__nv_bfloat16, 64>(p) : mmaCtasPerSm<half, 64>(p);
+    }
+    if (p.headDim == 128)
+    {
+        return bf16 ? mmaCtasPerSm<__nv_bfloat16, 128>(p) : mmaCtasPerSm<half, 128>(p);
+    }
+    return -1;
+}
 
 cudaError_t invokeKiviStep(KiviStepParams const& params, cudaStream_t stream)
 {

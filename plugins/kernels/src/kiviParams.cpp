@@ -52,11 +52,6 @@ bool aligned(void const* ptr, size_t alignment)
     return reinterpret_cast<uintptr_t>(ptr) % alignment == 0;
 }
 
-size_t dtypeBytes(int32_t dtype)
-{
-    return dtype == kKIVI_FLOAT32 ? 4 : 2;
-}
-
 //! A required device pointer: non-null and aligned. Returns 0 or fails with a message naming the buffer.
 int32_t checkPointer(char const* name, void const* ptr, size_t alignment, char* msg, size_t msgLen)
 {
@@ -165,10 +160,21 @@ int32_t kiviValidate(KiviStepParams const& p, int32_t phase, char* msg, size_t m
             p.maxSeqLen, static_cast<long long>(capacity), p.maxBlocksPerSeq, p.blockSize,
             windowCapacity(p.residualLength, p.groupSize), static_cast<long long>(capacity));
     }
-    if (p.attentionImpl < kKIVI_ATTN_AUTO || p.attentionImpl > kKIVI_ATTN_TENSOR_CORE)
+    if (p.attentionImpl == kKIVI_ATTN_SIMT || p.attentionImpl == kKIVI_ATTN_TENSOR_CORE)
     {
-        return fail(msg, msgLen, "attention_impl=%d is not supported; allowed: 0 (auto), 1 (simt), 2 (tensor_core)",
+        return fail(msg, msgLen,
+            "attention_impl=%d (legacy SIMT/WMMA kernel) reads the FORMAT_VERSION 1 code layout and is kept compiled "
+            "only as a performance-model subject; allowed: 0 (auto), 3 (mma)",
             p.attentionImpl);
+    }
+    if (p.attentionImpl != kKIVI_ATTN_AUTO && p.attentionImpl != kKIVI_ATTN_MMA)
+    {
+        return fail(msg, msgLen, "attention_impl=%d is not supported; allowed: 0 (auto), 3 (mma)", p.attentionImpl);
+    }
+    if (p.ctasPerSm < 0 || p.ctasPerSm > 64)
+    {
+        return fail(msg, msgLen, "ctas_per_sm=%d is out of range; allowed: 0 (= %d) .. 64", p.ctasPerSm,
+            kMMA_CTAS_PER_SM);
     }
     if (p.numSms < 0)
     {
@@ -178,7 +184,6 @@ int32_t kiviValidate(KiviStepParams const& p, int32_t phase, char* msg, size_t m
     {
         return 0; // nothing to launch; pointers may be null
     }
-    size_t const sz = dtypeBytes(p.scaleDtype);
     struct Req
     {
         char const* name;
@@ -196,12 +201,13 @@ int32_t kiviValidate(KiviStepParams const& p, int32_t phase, char* msg, size_t m
         {"past_len", p.pastLen, 4, true, true},
         {"chunk_len", p.chunkLen, 4, true, true},
         {"block_table", p.blockTable, 4, true, true},
-        {"k_codes", p.kCodes, 4, true, true},
-        {"k_scale", p.kScale, sz, true, true},
-        {"k_zero", p.kZero, sz, true, true},
-        {"v_codes", p.vCodes, 4, true, true},
-        {"v_scale", p.vScale, sz, true, true},
-        {"v_zero", p.vZero, sz, true, true},
+        // codes and scales are staged with 16-byte cp.async copies by the attention kernel
+        {"k_codes", p.kCodes, 16, true, true},
+        {"k_scale", p.kScale, 16, true, true},
+        {"k_zero", p.kZero, 16, true, true},
+        {"v_codes", p.vCodes, 16, true, true},
+        {"v_scale", p.vScale, 16, true, true},
+        {"v_zero", p.vZero, 16, true, true},
         {"k_window", p.kWindow, 16, true, true},
         {"v_window", p.vWindow, 16, true, true},
     };
@@ -241,30 +247,37 @@ KiviLaunchPlan kiviLaunchPlan(KiviStepParams const& p)
     plan.groupHeads = p.numKvHeads > 0 && p.numHeads >= p.numKvHeads ? p.numHeads / p.numKvHeads : 1;
     plan.tileTokens = plan.groupHeads <= kMAX_TILE_ROWS ? kMAX_TILE_ROWS / plan.groupHeads : 1;
     int64_t const t = p.numTokens;
-    // Each sequence with c tokens has ceil(c / TQ) tiles: sum <= ceil(T / TQ) + B, and never more than T.
-    int64_t tiles = ceilDiv(t, plan.tileTokens) + p.batch;
-    plan.numTiles = static_cast<int32_t>(tiles < t ? tiles : t);
-    // Split over keys so that tiles x KV heads x splits gives about kCTAS_PER_SM CTAs per SM; splits never shorter
-    // than kMIN_SPLIT_LEN keys. Lengths are device values, so the split is sized for maxSeqLen (a hint when known).
+    int64_t const grp = plan.groupHeads;
+    plan.tileRows = kTILE_ROWS;
+    // Sequence b has ceil(c_b * grp / 8) tiles of 8 query rows: the sum is <= ceil(T * grp / 8) + B and
+    // <= T * ceil(grp / 8).
+    int64_t const byRows = ceilDiv(t * grp, kTILE_ROWS) + p.batch;
+    int64_t const byTokens = t * ceilDiv(grp, kTILE_ROWS);
+    plan.numTiles = static_cast<int32_t>(byRows < byTokens ? byRows : byTokens);
+    // Split the keys so that tiles x KV heads x splits fills one wave of SMs x ctasPerSm resident CTAs (whole
+    // waves: never more CTAs than slots unless tiles x KV heads alone exceed them); splits of >= kMIN_SPLIT_LEN
+    // keys. Lengths are device values, so the split is sized for maxSeqLen (a hint when known).
     int64_t const sms = p.numSms > 0 ? p.numSms : kDEFAULT_NUM_SMS;
-    int64_t const ctas = int64_t(plan.numTiles > 0 ? plan.numTiles : 1) * (p.numKvHeads > 0 ? p.numKvHeads : 1);
-    int64_t splits = ceilDiv(kCTAS_PER_SM * sms, ctas);
+    plan.ctasPerSm = p.ctasPerSm > 0 ? p.ctasPerSm : kMMA_CTAS_PER_SM;
+    int64_t const slots = sms * plan.ctasPerSm;
+    int64_t const base = int64_t(plan.numTiles > 0 ? plan.numTiles : 1) * (p.numKvHeads > 0 ? p.numKvHeads : 1);
     int64_t const maxSplits = ceilDiv(plan.maxSeqLen > 0 ? plan.maxSeqLen : 1, kMIN_SPLIT_LEN);
+    int64_t splits = slots / base;
     splits = splits < 1 ? 1 : (splits > maxSplits ? maxSplits : splits);
     int64_t splitLen = ceilDiv(ceilDiv(plan.maxSeqLen > 0 ? plan.maxSeqLen : 1, splits), kKEY_TILE) * kKEY_TILE;
     plan.splitLen = static_cast<int32_t>(splitLen);
     plan.numSplits = static_cast<int32_t>(ceilDiv(plan.maxSeqLen > 0 ? plan.maxSeqLen : 1, splitLen));
     plan.flushGroupsPerSeq = static_cast<int32_t>(ceilDiv(plan.maxChunkLen, p.groupSize > 0 ? p.groupSize : 1));
     plan.seqInfoBytes = roundUp256(size_t(p.batch) * kSEQ_INFO_INTS * sizeof(int32_t));
-    // Split partials: T x numSplits <= T + ceil(kCTAS_PER_SM * sms * tileTokens / Hkv) (as numTiles >= T /
-    // tileTokens) and <= T x maxSplits. Sizing by that bound, which never decreases when numTokens or batch grow,
-    // makes the workspace of the largest step (TensorRT's profile max) valid for every smaller one.
+    // Split partials [T, H, numSplits] x (D + 2) floats: T x H x splits <= 8 x slots (splits <= slots / (tiles x
+    // Hkv) and tiles >= T x grp / 8) and <= T x H x maxSplits. Sizing by that bound, which never decreases when
+    // numTokens or batch grow, makes the workspace of the largest step (TensorRT's profile max) valid for every
+    // smaller one; it stays <= 8 x slots rows (a few MB) however long the prefill profile.
     if (maxSplits > 1)
     {
-        int64_t const kv = p.numKvHeads > 0 ? p.numKvHeads : 1;
-        int64_t const byCtas = t + ceilDiv(kCTAS_PER_SM * sms * plan.tileTokens, kv);
-        int64_t const bySplits = t * maxSplits;
-        size_t const rows = size_t(byCtas < bySplits ? byCtas : bySplits) * size_t(p.numHeads > 0 ? p.numHeads : 0);
+        int64_t const bySplits = t * (p.numHeads > 0 ? p.numHeads : 0) * maxSplits;
+        int64_t const bySlots = int64_t(kTILE_ROWS) * slots;
+        size_t const rows = size_t(bySplits < bySlots ? bySplits : bySlots);
         plan.partialBytes = roundUp256(rows * p.headDim * sizeof(float)) + roundUp256(rows * 2 * sizeof(float));
     }
     return plan;
