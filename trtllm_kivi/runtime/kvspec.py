@@ -4,8 +4,8 @@ Names: fp16 | bf16 | fp32            unquantized cache (FullCache) storing K/V i
        kivi2 | kivi4 | kivi8          KIVI, keys per channel, values per token, k_bits = v_bits
        k4v2, k2v4, k8v4, ...          KIVI with separate key/value bits
        naive2 | naive4 | naive8       control: keys quantized per token (key_grouping=per_token), same bits
-Knobs (--k-bits --v-bits --group-size --residual-length --block-size --scale-dtype) override the name's KIVI
-settings; they do not apply to unquantized caches and are ignored there.
+Knobs (KV_OPTIONS: k_bits, v_bits, group_size, residual_length, block_size, scale_dtype) override the name's KIVI
+settings; they do not apply to unquantized caches and are ignored there. The CLI flags are in commands/flags.py.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from ..cache import FullCache, KiviCache
 from ..format import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, SUPPORTED_SCALE_DTYPES, Geometry, KiviConfig
 
 FULL_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# KiviConfig fields a --kv spec's knobs may override (the CLI flags --k-bits ... --scale-dtype)
+KV_OPTIONS = ("k_bits", "v_bits", "group_size", "residual_length", "block_size", "scale_dtype")
 KV_HELP = ("KV cache: fp16|bf16|fp32 (unquantized), kivi2|kivi4|kivi8, k<bits>v<bits> (e.g. k4v2), "
            "naive2|naive4|naive8 (keys per token)")
 
@@ -32,16 +34,28 @@ class KVSpec:
     kivi: KiviConfig | None = None
     full_dtype: torch.dtype | None = None
 
+    @classmethod
+    def of(cls, cfg: KiviConfig) -> "KVSpec":
+        """The spec of a KiviConfig (e.g. a build folder's), named as --kv would name its bits and grouping."""
+        if cfg.key_grouping == "per_token":
+            name = f"naive{cfg.k_bits}" if cfg.k_bits == cfg.v_bits else f"naive-k{cfg.k_bits}v{cfg.v_bits}"
+        else:
+            name = f"kivi{cfg.k_bits}" if cfg.k_bits == cfg.v_bits else f"k{cfg.k_bits}v{cfg.v_bits}"
+        return cls(name, kivi=cfg)
+
     @property
     def quantized(self) -> bool:
         return self.kivi is not None
 
     def make_cache(self, geom: Geometry, max_slots: int, max_seq_len: int, act_dtype: torch.dtype,
-                   device: str | torch.device = "cpu", num_blocks: int | None = None) -> KiviCache | FullCache:
-        """A fresh cache; the KIVI window holds activations, so it uses the model's dtype (act_dtype)."""
+                   device: str | torch.device = "cpu", num_blocks: int | None = None,
+                   backend: str | None = None) -> KVCache:
+        """A fresh cache; the KIVI window holds activations, so it uses the model's dtype (act_dtype). backend: the
+        KIVI attention backend (cache.BACKENDS; None = the fastest available)."""
         if self.kivi is None:
+            assert self.full_dtype is not None
             return FullCache(geom, max_slots, max_seq_len, self.full_dtype, device)
-        return KiviCache(self.kivi, geom, max_slots, max_seq_len, act_dtype, device, num_blocks)
+        return KiviCache(self.kivi, geom, max_slots, max_seq_len, act_dtype, device, num_blocks, backend)
 
     def describe(self) -> str:
         if self.kivi is None:
@@ -74,23 +88,4 @@ def parse_kv(spec: str, k_bits: int | None = None, v_bits: int | None = None, gr
     return KVSpec(s, kivi=cfg)
 
 
-def add_kv_arguments(parser: argparse.ArgumentParser, default: str = "kivi2") -> None:
-    """--kv and the KiviConfig knobs, for every command that builds a cache."""
-    g = parser.add_argument_group("KV cache")
-    g.add_argument("--kv", default=default, help=f"{KV_HELP} (default: {default})")
-    g.add_argument("--k-bits", type=int, choices=SUPPORTED_BITS, help="override the key bits of a KIVI spec")
-    g.add_argument("--v-bits", type=int, choices=SUPPORTED_BITS, help="override the value bits of a KIVI spec")
-    g.add_argument("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, help="KIVI group size G (default 32)")
-    g.add_argument("--residual-length", type=int, help="KIVI full-precision window minimum R (default 128)")
-    g.add_argument("--block-size", type=int, help="tokens per quantized cache block (default 128)")
-    g.add_argument("--scale-dtype", choices=SUPPORTED_SCALE_DTYPES, help="dtype of KIVI scales/zeros "
-                   "(default float16)")
-
-
-def kv_from_args(args: argparse.Namespace, spec: str | None = None) -> KVSpec:
-    """The KVSpec of parsed add_kv_arguments() options (spec overrides args.kv, e.g. for a list of specs)."""
-    return parse_kv(spec if spec is not None else args.kv, args.k_bits, args.v_bits, args.group_size,
-                    args.residual_length, args.block_size, args.scale_dtype)
-
-
-__all__ = ["KVSpec", "parse_kv", "add_kv_arguments", "kv_from_args", "FULL_DTYPES", "KV_HELP"]
+__all__ = ["KVSpec", "parse_kv", "FULL_DTYPES", "KV_HELP", "KV_OPTIONS"]
