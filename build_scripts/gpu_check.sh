@@ -44,7 +44,7 @@ echo "gpu_check.sh: build rc=${build_rc} in $((T1 - T0)) s"
 
 tests_rc=1
 if [[ ${build_rc} -eq 0 ]]; then
-  timeout 150 ${PY} -m pytest -p no:cacheprovider -q tests/test_kernels_gpu.py \
+  timeout 170 ${PY} -m pytest -p no:cacheprovider -q tests/test_kernels_gpu.py \
     --junitxml="${OUT}/gpu_tests.xml" >"${OUT}/tests.log" 2>&1
   tests_rc=$?
 fi

@@ -233,10 +233,10 @@ struct MmaWork
     int32_t row0;  //!< first flattened row of the tile within the chunk
     int32_t nRows; //!< live rows (<= 8)
     int32_t slot;
-    int64_t s;
-    int64_t k0;
-    int64_t k1;
-    int64_t nq;
+    int32_t s; //!< key positions are int32: kiviValidate caps the capacity at INT32_MAX / 2 tokens
+    int32_t k0;
+    int32_t k1;
+    int32_t nq;
 };
 
 template <typename T, int kD>
@@ -286,14 +286,14 @@ __device__ __forceinline__ MmaWork resolveMmaTile(KiviStepParams const& p, KiviL
     }
     wk.s = p.pastLen[wk.b];
     int32_t const lastToken = (wk.row0 + wk.nRows - 1) / grp;
-    int64_t const keyEnd = wk.s + lastToken + 1;
-    wk.k0 = int64_t(wk.split) * wk.info.splitLen;
+    int32_t const keyEnd = wk.s + lastToken + 1;
+    wk.k0 = wk.split * wk.info.splitLen;
     if (wk.k0 >= keyEnd)
     {
         return wk;
     }
     wk.k1 = min(wk.k0 + wk.info.splitLen, keyEnd);
-    wk.nq = numQuantizedDev(wk.s, p.residualLength, p.groupSize);
+    wk.nq = static_cast<int32_t>(numQuantizedDev(wk.s, p.residualLength, p.groupSize));
     wk.slot = p.slotIds[wk.b];
     wk.run = true;
     return wk;
@@ -400,12 +400,14 @@ __device__ __forceinline__ void softmaxUpdate(MmaWarpState<kD>& st, float (&sc)[
 //! nullptr past k1 (those keys are masked; reading zeros keeps NaN/Inf garbage out of 0 * x).
 template <typename T, int kD>
 __device__ __forceinline__ T const* fullPrecisionRow(KiviStepParams const& p, MmaWork const& wk, bool values,
-    int64_t key)
+    int32_t key)
 {
     if (key >= wk.k1)
     {
         return nullptr;
     }
+    // Sink-token hook (issue 9, FORMAT_VERSION 2): keys [0, S) would be a second full-precision segment read here
+    // from a sink buffer, with the quantized segment starting at S (cq below counts chunks from there).
     if (key < wk.s)
     {
         int32_t const w = p.residualLength + p.groupSize - 1;
@@ -419,7 +421,7 @@ __device__ __forceinline__ T const* fullPrecisionRow(KiviStepParams const& p, Mm
 //! Scores of a full-precision 32-key chunk: A = K rows as stored, B = rnd(qsc) (no scale, no bias).
 template <typename T, int kD>
 __device__ __forceinline__ void loadFullPrecisionScores(KiviStepParams const& p, MmaWork const& wk,
-    float const (*qS)[kD], int64_t kt, int32_t g, int32_t t, float (&sc)[2][4])
+    float const (*qS)[kD + 8], int32_t kt, int32_t g, int32_t t, float (&sc)[2][4])
 {
 #pragma unroll
     for (int32_t tau = 0; tau < 2; ++tau)
@@ -451,7 +453,7 @@ __device__ __forceinline__ void loadFullPrecisionScores(KiviStepParams const& p,
 //! O^T += V^T rnd(P)^T for a full-precision chunk: A registers are pairs of V rows (keys 2t, 2t + 1) of a channel.
 template <typename T, int kD, typename State>
 __device__ __forceinline__ void accumulateFullPrecisionValues(KiviStepParams const& p, MmaWork const& wk,
-    int64_t kt, int32_t g, int32_t t, float const (&pr)[2][4], State& st)
+    int32_t kt, int32_t g, int32_t t, float const (&pr)[2][4], State& st)
 {
 #pragma unroll
     for (int32_t tau = 0; tau < 2; ++tau)
@@ -483,6 +485,58 @@ __device__ __forceinline__ void accumulateFullPrecisionValues(KiviStepParams con
     }
 }
 
+//! Two consecutive staged scale/zero values (channels ch, ch + 1) of storage type S as fp32.
+template <typename S>
+__device__ __forceinline__ float2 stagedPair(char const* base, int32_t ch)
+{
+    if constexpr (std::is_same<S, half>::value)
+    {
+        return __half22float2(*reinterpret_cast<__half2 const*>(base + ch * 2));
+    }
+    else if constexpr (std::is_same<S, __nv_bfloat16>::value)
+    {
+        return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(base + ch * 2));
+    }
+    else
+    {
+        return *reinterpret_cast<float2 const*>(base + ch * 4);
+    }
+}
+
+//! The B fragments of S for a new key group and the score bias of this lane's columns (mma_model order):
+//! q' = rnd(qsc * s_k * 2^b) for row g, channels 16 kb + 8 reg + 2t + {0, 1}; bias(row) = sum(qsc z_k - alpha q')
+//! over the lane's channels, reduced over the 4 lanes of a groupID, then fetched for rows 2t, 2t + 1.
+template <typename T, int kD, typename S, typename Aff>
+__device__ __forceinline__ void computeQPrime(float const (*qS)[kD + 8], char const* kScale, char const* kZero,
+    int32_t g, int32_t t, uint32_t (&qB)[kD / 16][2], float (&biasS)[2])
+{
+    float part = 0.F;
+#pragma unroll
+    for (int32_t kb = 0; kb < kD / 16; ++kb)
+    {
+#pragma unroll
+        for (int32_t reg = 0; reg < 2; ++reg)
+        {
+            int32_t const ch = 16 * kb + 8 * reg + 2 * t;
+            float2 const qq = *reinterpret_cast<float2 const*>(&qS[g][ch]);
+            float2 const sc = stagedPair<S>(kScale, ch);
+            float2 const zr = stagedPair<S>(kZero, ch);
+            float const a0 = __fmul_rn(__fmul_rn(qq.x, sc.x), Aff::kINV_BETA);
+            float const a1 = __fmul_rn(__fmul_rn(qq.y, sc.y), Aff::kINV_BETA);
+            qB[kb][reg] = MmaTraits<T>::pack(a0, a1);
+            float2 const qr = MmaTraits<T>::unpack(qB[kb][reg]);
+            part = __fmaf_rn(qq.x, zr.x, part);
+            part = __fmaf_rn(-Aff::kALPHA, qr.x, part);
+            part = __fmaf_rn(qq.y, zr.y, part);
+            part = __fmaf_rn(-Aff::kALPHA, qr.y, part);
+        }
+    }
+    part += __shfl_xor_sync(0xffffffffU, part, 1);
+    part += __shfl_xor_sync(0xffffffffU, part, 2);
+    biasS[0] = __shfl_sync(0xffffffffU, part, (2 * t) * 4);
+    biasS[1] = __shfl_sync(0xffffffffU, part, (2 * t + 1) * 4);
+}
+
 template <typename T, int kD, int kKB, int kVB>
 __global__ void __launch_bounds__(kMMA_THREADS, mmaMinCtas(kKB, kVB)) kiviDecodeMmaKernel(
     KiviStepParams p, KiviLaunchPlan plan, SeqInfo const* seqInfo, float* partialAcc, float* partialMl)
@@ -492,7 +546,9 @@ __global__ void __launch_bounds__(kMMA_THREADS, mmaMinCtas(kKB, kVB)) kiviDecode
     using AffV = CodeAffine<T, kVB>;
     constexpr int32_t kMT = kD / 16;
     extern __shared__ __align__(16) char smem[];
-    __shared__ float qS[kTILE_ROWS][kD]; // qsc = q / sqrt(D) of the 8 rows (0 for dead rows)
+    // qsc = q / sqrt(D) of the 8 rows (0 for dead rows); rows padded by 8 floats so the 8 groupIDs' float2 reads
+    // of one B fragment hit distinct banks (2 wavefronts per warp instead of 8)
+    __shared__ float qS[kTILE_ROWS][kD + 8];
 
     MmaWork const wk = resolveMmaTile<T, kD>(p, plan, seqInfo);
     if (!wk.run)
@@ -525,7 +581,7 @@ __global__ void __launch_bounds__(kMMA_THREADS, mmaMinCtas(kKB, kVB)) kiviDecode
     __syncthreads();
 
     // Causal limit and liveness of this lane's score columns (rows 2t, 2t + 1).
-    int64_t pos[2];
+    int32_t pos[2];
     bool live[2];
 #pragma unroll
     for (int32_t j = 0; j < 2; ++j)
@@ -536,21 +592,22 @@ __global__ void __launch_bounds__(kMMA_THREADS, mmaMinCtas(kKB, kVB)) kiviDecode
     }
 
     // This warp's contiguous range of 32-key chunks of the split.
-    int32_t const nChunks = static_cast<int32_t>((wk.k1 - wk.k0 + kMMA_CHUNK - 1) / kMMA_CHUNK);
+    int32_t const nChunks = (wk.k1 - wk.k0 + kMMA_CHUNK - 1) / kMMA_CHUNK;
     int32_t const per = (nChunks + kMMA_WARPS - 1) / kMMA_WARPS;
     int32_t const c0 = min(warp * per, nChunks);
     int32_t const c1 = min(c0 + per, nChunks);
-    int32_t const cq = max(c0, min(c1, static_cast<int32_t>((wk.nq - wk.k0 + kMMA_CHUNK - 1) / kMMA_CHUNK)));
+    // Chunks [c0, cq) are quantized (keys < n_q(s)), [cq, c1) full precision (window, then chunk rows).
+    int32_t const cq = max(c0, min(c1, (wk.nq - wk.k0 + kMMA_CHUNK - 1) / kMMA_CHUNK));
     char* stages = smem + warp * kMMA_STAGES * stageBytes;
     int32_t const* table = p.blockTable + int64_t(wk.b) * p.maxBlocksPerSeq;
 
     auto issue = [&](int32_t ci) {
         if (ci < cq)
         {
-            int64_t const kt = wk.k0 + int64_t(ci) * kMMA_CHUNK;
+            int32_t const kt = wk.k0 + ci * kMMA_CHUNK;
             int64_t const blk = table[kt / p.blockSize];
-            issueChunk<kD, kKB, kVB>(p, stages + (ci - c0) % kMMA_STAGES * stageBytes, blk, wk.h,
-                static_cast<int32_t>(kt % p.blockSize), scaleBytes, gv, lane);
+            issueChunk<kD, kKB, kVB>(p, stages + (ci - c0) % kMMA_STAGES * stageBytes, blk, wk.h, kt % p.blockSize,
+                scaleBytes, gv, lane);
         }
         cpAsyncCommit(); // always one group per chunk slot: wait_group counts stay uniform
     };
@@ -580,11 +637,11 @@ __global__ void __launch_bounds__(kMMA_THREADS, mmaMinCtas(kKB, kVB)) kiviDecode
     }
     uint32_t qB[kMT][2]; // B of S for the current key group: q' = rnd(qsc * s_k * 2^b), lane: row g
     float biasS[2] = {0.F, 0.F};
-    int64_t curGroup = -1;
+    int32_t curGroup = -1;
 
     for (int32_t ci = c0; ci < c1; ++ci)
     {
-        int64_t const kt = wk.k0 + int64_t(ci) * kMMA_CHUNK;
+        int32_t const kt = wk.k0 + ci * kMMA_CHUNK;
         float sc[2][4];
         bool const quant = ci < cq;
         char const* stg = stages + (ci - c0) % kMMA_STAGES * stageBytes;
@@ -598,36 +655,23 @@ __global__ void __launch_bounds__(kMMA_THREADS, mmaMinCtas(kKB, kVB)) kiviDecode
         {
             cpAsyncWait<kMMA_STAGES - 2>();
             __syncwarp();
-            int64_t const group = kt / p.groupSize;
+            int32_t const group = kt / p.groupSize;
             if (group != curGroup)
             {
                 curGroup = group;
-                float part = 0.F;
-#pragma unroll
-                for (int32_t kb = 0; kb < kMT; ++kb)
+                // one uniform branch per group on the scale dtype; the loop inside loads (scale, zero) pairs
+                if (p.scaleDtype == kKIVI_FLOAT16)
                 {
-#pragma unroll
-                    for (int32_t reg = 0; reg < 2; ++reg)
-                    {
-                        int32_t const ch = 16 * kb + 8 * reg + 2 * t;
-                        float2 const qq = *reinterpret_cast<float2 const*>(&qS[g][ch]);
-                        float const a0 = __fmul_rn(__fmul_rn(qq.x, stagedScale(kScale, ch, p.scaleDtype)),
-                            AffK::kINV_BETA);
-                        float const a1 = __fmul_rn(__fmul_rn(qq.y, stagedScale(kScale, ch + 1, p.scaleDtype)),
-                            AffK::kINV_BETA);
-                        qB[kb][reg] = MmaTraits<T>::pack(a0, a1);
-                        float2 const qr = MmaTraits<T>::unpack(qB[kb][reg]);
-                        part = __fmaf_rn(qq.x, stagedScale(kZero, ch, p.scaleDtype), part);
-                        part = __fmaf_rn(-AffK::kALPHA, qr.x, part);
-                        part = __fmaf_rn(qq.y, stagedScale(kZero, ch + 1, p.scaleDtype), part);
-                        part = __fmaf_rn(-AffK::kALPHA, qr.y, part);
-                    }
+                    computeQPrime<T, kD, half, AffK>(qS, kScale, kZero, g, t, qB, biasS);
                 }
-                part += __shfl_xor_sync(0xffffffffU, part, 1);
-                part += __shfl_xor_sync(0xffffffffU, part, 2);
-                // lane (g, t) holds the bias of row g; the score columns of this lane are rows 2t, 2t + 1
-                biasS[0] = __shfl_sync(0xffffffffU, part, (2 * t) * 4);
-                biasS[1] = __shfl_sync(0xffffffffU, part, (2 * t + 1) * 4);
+                else if (p.scaleDtype == kKIVI_BFLOAT16)
+                {
+                    computeQPrime<T, kD, __nv_bfloat16, AffK>(qS, kScale, kZero, g, t, qB, biasS);
+                }
+                else
+                {
+                    computeQPrime<T, kD, float, AffK>(qS, kScale, kZero, g, t, qB, biasS);
+                }
             }
             // S = K q'^T + bias: registers straight from this lane's words (FRAGMENT order)
 #pragma unroll
@@ -672,7 +716,7 @@ __global__ void __launch_bounds__(kMMA_THREADS, mmaMinCtas(kKB, kVB)) kiviDecode
 #pragma unroll
             for (int32_t r = 0; r < 4; ++r)
             {
-                int64_t const key = kt + 16 * tau + g + 8 * (r >> 1);
+                int32_t const key = kt + 16 * tau + g + 8 * (r >> 1);
                 int32_t const j = r & 1;
                 if (!(key < wk.k1 && key <= pos[j] && live[j]))
                 {
