@@ -273,29 +273,47 @@ def test_launcher_rejects_unsupported_values(lib):
                              lib=lib)
 
 
-def test_rows_no_sequence_covers_are_zero_and_legacy_kernels_refused(lib):
-    """num_tokens > sum(chunk_len) (a runner's padded step): the extra output rows are zero, not left as sentinel
-    NaN, with one split and with many; the legacy SIMT/WMMA kernels (FORMAT_VERSION 1 layout) are refused."""
+@pytest.mark.parametrize("max_seq_len", [200, 0], ids=["one_split", "many_splits"])
+def test_rows_no_sequence_covers_are_zero(lib, max_seq_len):
+    """q has more rows than sum(chunk_len) (e.g. a padded step): the rows past the last chunk belong to no sequence
+    and must come back zero, with one split (kiviZeroUncoveredRowsKernel) and with many (kiviCombineKernel). The
+    output starts NaN-filled; the covered rows match the reference. max_seq_len 200 leaves a single split; 0 sizes
+    the splits for the block table's capacity (many for this short step)."""
+    from trtllm_kivi.cuda.ops import make_params, run_step
+    cfg = KiviConfig(residual_length=32)
+    pair = Pair(cfg, 8, 2, 64, torch.float16, batch=2, mbs=8)
+    pair.fill_history([100, 40])
+    chunks, extra = [1, 3], 5
+    t = sum(chunks)
+    q, k, v = pair.randn(t + extra, 8, 64), pair.randn(t + extra, 2, 64), pair.randn(t + extra, 2, 64)
+    past, chunk = torch.tensor(pair.lens).int(), torch.tensor(chunks).int()
+    tol = mma_model.step_tolerance(pair.ref, cfg, q[:t], k[:t], v[:t], pair.slots, past, chunk, pair.table)
+    want = kivi_attention_(q[:t], k[:t], v[:t], pair.slots, past, chunk, pair.table, pair.ref, cfg)
+    out = torch.full((t + extra, 8, 64), float("nan"), dtype=torch.float16, device="cuda")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    dev = [x.cuda() for x in (q, k, v, pair.slots, past, chunk, pair.table)]
+    params = make_params(*dev[:3], out, *dev[3:], pair.gpu, cfg, max_seq_len=max_seq_len, error_flag=flag)
+    plan = lib.launch_plan(params)
+    assert (plan["num_splits"] == 1) == (max_seq_len == 200), plan
+    run_step(lib, params, torch.device("cuda"))
+    torch.cuda.synchronize()
+    assert int(flag.item()) == 0
+    assert torch.all(out[t:].cpu() == 0), "rows past sum(chunk_len) are not zero"
+    assert_attention_close(out[:t], want, tol, f"covered rows ({plan['num_splits']} splits)")
+    assert_buffers_equal(pair.gpu, pair.ref, "after a padded step")
+
+
+def test_legacy_kernels_are_refused(lib):
+    """The legacy SIMT/WMMA kernels read the FORMAT_VERSION 1 layout: attention_impl 1 and 2 are refused by name."""
     from trtllm_kivi.cuda.ops import kivi_attention_cuda_
     cfg = KiviConfig(residual_length=32)
-    for lens, max_seq_len in (([3000, 10], 0), ([100, 10], 200)):  # many splits (+ combine), then one split
-        pair = Pair(cfg, 8, 2, 128, torch.float16, batch=2, mbs=40)
-        pair.fill_history(lens)
-        q, k, v = pair.randn(5, 8, 128), pair.randn(5, 2, 128), pair.randn(5, 2, 128)
-        past = torch.tensor(pair.lens, dtype=torch.int32)
-        chunk = torch.tensor([1, 1], dtype=torch.int32)
-        out = torch.full((5, 8, 128), float("nan"), dtype=torch.float16, device="cuda")
-        kivi_attention_cuda_(q.cuda(), k.cuda(), v.cuda(), pair.slots.cuda(), past.cuda(), chunk.cuda(),
-                             pair.table.cuda(), pair.gpu, cfg, check=False, out=out, phase=_abi.PHASE_ATTENTION,
-                             max_seq_len=max_seq_len, lib=lib)
-        torch.cuda.synchronize()
-        assert torch.all(out[2:].cpu() == 0), f"uncovered rows not zeroed (lens {lens})"
-        assert not torch.isnan(out[:2].cpu()).any()
+    pair = Pair(cfg, 8, 2, 128, torch.float16, batch=1, mbs=2)
     x = torch.zeros(1, 8, 128, dtype=torch.float16, device="cuda")
+    i = torch.zeros(1, dtype=torch.int32, device="cuda")
     for impl in (_abi.ATTN_SIMT, _abi.ATTN_TENSOR_CORE):
         with pytest.raises(ValueError, match="legacy SIMT/WMMA kernel"):
-            kivi_attention_cuda_(x, x[:, :2], x[:, :2], pair.slots[:1].cuda(), past[:1].cuda(), chunk[:1].cuda(),
-                                 pair.table[:1].cuda(), pair.gpu, cfg, attention_impl=impl, lib=lib)
+            kivi_attention_cuda_(x, x[:, :2], x[:, :2], pair.slots.cuda(), i, i + 1, pair.table.cuda(), pair.gpu,
+                                 cfg, attention_impl=impl, lib=lib)
 
 
 def test_occupancy_query_and_whole_waves(lib):

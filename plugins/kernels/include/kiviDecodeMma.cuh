@@ -27,7 +27,8 @@
  *   global memory (a few hundred keys at most per decode step); a sink-token segment (issue 9) would be a third
  *   source in loadFullPrecisionChunk.
  *   numSplits == 1: the CTA writes out = O / l. Otherwise (m, l, O) go to the workspace and kiviCombineKernel
- *   (kiviAttention.cuh) merges the splits with their log-sum-exp weights.
+ *   (kiviAttention.cuh) merges the splits with their log-sum-exp weights. The launcher refuses devices below sm_80
+ *   (kiviCheckArch) by name.
  */
 #pragma once
 
@@ -249,18 +250,7 @@ __device__ __forceinline__ MmaWork resolveMmaTile(KiviStepParams const& p, KiviL
     wk.split = blockIdx.z;
     int32_t const grp = plan.groupHeads;
     T* out = static_cast<T*>(p.out);
-    if (plan.numSplits == 1 && tile == 0 && wk.h == 0)
-    {
-        // Rows no sequence covers ([covered, numTokens), covered = sum of clamped chunk lengths) are zero; with
-        // splits, kiviCombineKernel writes them.
-        SeqInfo const last = seqInfo[p.batch - 1];
-        int64_t const covered = min(int64_t(p.numTokens), int64_t(last.tokenOffset) + max(p.chunkLen[p.batch - 1], 0));
-        for (int64_t u = covered * p.numHeads * kD + threadIdx.x; u < int64_t(p.numTokens) * p.numHeads * kD;
-             u += blockDim.x)
-        {
-            out[u] = ActTraits<T>::fromFloat(0.F);
-        }
-    }
+    // Rows no sequence covers are zeroed by kiviZeroUncoveredRowsKernel (one split) or kiviCombineKernel.
     wk.b = findSequence<&SeqInfo::tileOffset>(seqInfo, p.batch, tile);
     wk.info = seqInfo[wk.b];
     if (tile >= wk.info.tileOffset + wk.info.tileCount)

@@ -66,6 +66,29 @@ int32_t checkPointer(char const* name, void const* ptr, size_t alignment, char* 
     return 0;
 }
 
+//! Bytes of the split partials for numTokens x numHeads x splits rows (acc[D], then (m, l)).
+size_t partialBytesOf(KiviStepParams const& p, int64_t splits)
+{
+    size_t const rows = size_t(p.numTokens > 0 ? p.numTokens : 0) * size_t(p.numHeads > 0 ? p.numHeads : 0)
+        * size_t(splits);
+    return roundUp256(rows * size_t(p.headDim > 0 ? p.headDim : 0) * sizeof(float))
+        + roundUp256(rows * 2 * sizeof(float));
+}
+
+//! The split count the plan aims for: floor(SMs x ctasPerSm / (tiles x KV heads)) -- one whole wave of resident
+//! CTAs -- clamped to [1, maxSplits] (maxSplits = ceil(maxSeqLen / kMIN_SPLIT_LEN)). numSplits <= this, with equality
+//! unless rounding splitLen up to whole key tiles leaves the last split empty. plan.numTiles, plan.maxSeqLen and
+//! plan.ctasPerSm must be set. Never increases with numTokens (tiles only grow).
+int64_t targetSplits(KiviStepParams const& p, KiviLaunchPlan const& plan)
+{
+    int64_t const sms = p.numSms > 0 ? p.numSms : kDEFAULT_NUM_SMS;
+    int64_t const slots = sms * (plan.ctasPerSm > 0 ? plan.ctasPerSm : kMMA_CTAS_PER_SM);
+    int64_t const base = int64_t(plan.numTiles > 0 ? plan.numTiles : 1) * (p.numKvHeads > 0 ? p.numKvHeads : 1);
+    int64_t const splits = slots / base;
+    int64_t const maxSplits = ceilDiv(plan.maxSeqLen > 0 ? plan.maxSeqLen : 1, kMIN_SPLIT_LEN);
+    return splits < 1 ? 1 : (splits > maxSplits ? maxSplits : splits);
+}
+
 } // namespace
 
 int32_t kiviValidate(KiviStepParams const& p, int32_t phase, char* msg, size_t msgLen)
@@ -257,28 +280,19 @@ KiviLaunchPlan kiviLaunchPlan(KiviStepParams const& p)
     // Split the keys so that tiles x KV heads x splits fills one wave of SMs x ctasPerSm resident CTAs (whole
     // waves: never more CTAs than slots unless tiles x KV heads alone exceed them); splits of >= kMIN_SPLIT_LEN
     // keys. Lengths are device values, so the split is sized for maxSeqLen (a hint when known).
-    int64_t const sms = p.numSms > 0 ? p.numSms : kDEFAULT_NUM_SMS;
     plan.ctasPerSm = p.ctasPerSm > 0 ? p.ctasPerSm : kMMA_CTAS_PER_SM;
-    int64_t const slots = sms * plan.ctasPerSm;
-    int64_t const base = int64_t(plan.numTiles > 0 ? plan.numTiles : 1) * (p.numKvHeads > 0 ? p.numKvHeads : 1);
-    int64_t const maxSplits = ceilDiv(plan.maxSeqLen > 0 ? plan.maxSeqLen : 1, kMIN_SPLIT_LEN);
-    int64_t splits = slots / base;
-    splits = splits < 1 ? 1 : (splits > maxSplits ? maxSplits : splits);
-    int64_t splitLen = ceilDiv(ceilDiv(plan.maxSeqLen > 0 ? plan.maxSeqLen : 1, splits), kKEY_TILE) * kKEY_TILE;
+    int64_t const splits = targetSplits(p, plan);
+    int64_t const msl = plan.maxSeqLen > 0 ? plan.maxSeqLen : 1;
+    int64_t const splitLen = ceilDiv(ceilDiv(msl, splits), kKEY_TILE) * kKEY_TILE;
     plan.splitLen = static_cast<int32_t>(splitLen);
-    plan.numSplits = static_cast<int32_t>(ceilDiv(plan.maxSeqLen > 0 ? plan.maxSeqLen : 1, splitLen));
+    plan.numSplits = static_cast<int32_t>(ceilDiv(msl, splitLen));
     plan.flushGroupsPerSeq = static_cast<int32_t>(ceilDiv(plan.maxChunkLen, p.groupSize > 0 ? p.groupSize : 1));
     plan.seqInfoBytes = roundUp256(size_t(p.batch) * kSEQ_INFO_INTS * sizeof(int32_t));
-    // Split partials [T, H, numSplits] x (D + 2) floats: T x H x splits <= 8 x slots (splits <= slots / (tiles x
-    // Hkv) and tiles >= T x grp / 8) and <= T x H x maxSplits. Sizing by that bound, which never decreases when
-    // numTokens or batch grow, makes the workspace of the largest step (TensorRT's profile max) valid for every
-    // smaller one; it stays <= 8 x slots rows (a few MB) however long the prefill profile.
-    if (maxSplits > 1)
+    // Split partials of this step: [numTokens, numHeads, numSplits, D] fp32, then [.., 2] (m, l) (kiviLaunch.cu).
+    // TensorRT's workspace is sized by kiviWorkspaceSizeForProfile, which covers every step of the profile.
+    if (plan.numSplits > 1)
     {
-        int64_t const bySplits = t * (p.numHeads > 0 ? p.numHeads : 0) * maxSplits;
-        int64_t const bySlots = int64_t(kTILE_ROWS) * slots;
-        size_t const rows = size_t(bySplits < bySlots ? bySplits : bySlots);
-        plan.partialBytes = roundUp256(rows * p.headDim * sizeof(float)) + roundUp256(rows * 2 * sizeof(float));
+        plan.partialBytes = partialBytesOf(p, plan.numSplits);
     }
     return plan;
 }
@@ -306,6 +320,58 @@ size_t kiviWorkspaceSize(KiviStepParams const& p)
     }
     KiviLaunchPlan const plan = kiviLaunchPlan(p);
     return plan.seqInfoBytes + plan.partialBytes;
+}
+
+size_t kiviWorkspaceSizeForProfile(
+    KiviStepParams const& maxStep, int32_t minTokens, int32_t minBatch, int32_t minBlocksPerSeq)
+{
+    if (maxStep.batch <= 0 || maxStep.numTokens <= 0)
+    {
+        return 0;
+    }
+    // Per-sequence info grows with batch: the largest batch. Partials: numSplits depends on the tile count, which
+    // grows with tokens and batch, so for each token count the smallest batch has the most splits. With a fixed
+    // block-table width (the exporter's) the plan's numSplits is exact; with a range of widths, the target split
+    // count at the widest bounds numSplits at every width (a narrower table only lowers maxSplits). The split count
+    // never increases with tokens: stop at the first token count without a split.
+    KiviStepParams s = maxStep;
+    s.maxSeqLen = 0;
+    s.batch = minBatch < 1 ? 1 : (minBatch > maxStep.batch ? maxStep.batch : minBatch);
+    bool const fixedWidth = minBlocksPerSeq >= maxStep.maxBlocksPerSeq;
+    size_t partial = 0;
+    for (int32_t t = minTokens < 1 ? 1 : minTokens; t <= maxStep.numTokens; ++t)
+    {
+        s.numTokens = t;
+        KiviLaunchPlan const plan = kiviLaunchPlan(s);
+        int64_t const target = targetSplits(s, plan);
+        if (target <= 1)
+        {
+            break;
+        }
+        int64_t const splits = fixedWidth ? plan.numSplits : target;
+        size_t const bytes = splits > 1 ? partialBytesOf(s, splits) : 0;
+        partial = bytes > partial ? bytes : partial;
+    }
+    return roundUp256(size_t(maxStep.batch) * kSEQ_INFO_INTS * sizeof(int32_t)) + partial;
+}
+
+int32_t kiviCheckArch(KiviStepParams const& p, int32_t smVersion, char* msg, size_t msgLen)
+{
+    if (msg != nullptr && msgLen > 0)
+    {
+        msg[0] = '\0';
+    }
+    // Every attention implementation kiviValidate admits (0 auto, 3 mma) is the mma.sync kernel: bf16/f16
+    // m16n8k16, movmatrix and cp.async need sm_80.
+    if (smVersion < kMIN_SM_TENSOR_CORE)
+    {
+        return fail(msg, msgLen,
+            "attention_impl=%d (the mma.sync attention kernel) needs compute capability >= %d.%d; this device is "
+            "sm_%d (%d.%d)",
+            p.attentionImpl, kMIN_SM_TENSOR_CORE / 10, kMIN_SM_TENSOR_CORE % 10, smVersion, smVersion / 10,
+            smVersion % 10);
+    }
+    return 0;
 }
 
 } // namespace kernels
