@@ -147,9 +147,11 @@ class KiviCache(Cache):
     kv: a --kv name (kivi2, kivi4, k4v2, naive2, fp16, bf16, fp32) or a runtime.kvspec.KVSpec; knobs (k_bits,
         v_bits, group_size, residual_length, block_size, scale_dtype) override a KIVI spec as the CLI flags do.
     max_seq_len: columns per row the store is allocated for (default: the model's max_position_embeddings).
+    backend: the KIVI store's attention backend (trtllm_kivi.cache BACKENDS; None: its default for the device).
     """
 
-    def __init__(self, model, kv: str | KVSpec = "kivi2", max_seq_len: int | None = None, **knobs: Any) -> None:
+    def __init__(self, model, kv: str | KVSpec = "kivi2", max_seq_len: int | None = None,
+                 backend: str | None = None, **knobs: Any) -> None:
         self.geometry = model_geometry(model)
         super().__init__(layers=[_Layer(self, i) for i in range(self.geometry.num_layers)])
         self.spec = kv if isinstance(kv, KVSpec) else parse_kv(kv, **knobs)
@@ -161,6 +163,7 @@ class KiviCache(Cache):
         decoder = _decoder(model)
         if not hasattr(decoder, _HOOK_ATTR):  # one hook per decoder serves every KiviCache used with it
             setattr(decoder, _HOOK_ATTR, decoder.register_forward_pre_hook(_mask_hook, with_kwargs=True))
+        self.backend = backend
         self.store: StreamingKiviCache | FullCache | None = None  # made at the first update (batch, dtype, device)
         self.columns = 0  # sequence columns seen, padding included (what transformers calls the cache length)
         self._cols: list[torch.Tensor] = []  # per row: the columns its stored tokens came from, in order
@@ -234,7 +237,8 @@ class KiviCache(Cache):
     def _make_store(self, batch: int, dtype: torch.dtype, device: torch.device) -> None:
         store: StreamingKiviCache | FullCache
         if self.spec.kivi is not None:
-            store = StreamingKiviCache(self.spec.kivi, self.geometry, batch, self.max_seq_len, dtype, device)
+            store = StreamingKiviCache(self.spec.kivi, self.geometry, batch, self.max_seq_len, dtype, device,
+                                       backend=self.backend)
         else:
             assert self.spec.full_dtype is not None
             store = FullCache(self.geometry, batch, self.max_seq_len, self.spec.full_dtype, device)
