@@ -8,6 +8,7 @@ binary's --print-fields output.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -18,8 +19,10 @@ import pytest
 
 from trtllm_kivi import format as fmt
 from trtllm_kivi.format import KiviConfig
-from trtllm_kivi.plugin import (FIELD_NAMES, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, config_from_fields,
-                                plugin_fields)
+from trtllm_kivi.cuda import _abi
+from trtllm_kivi.op import (FIELD_NAMES, KERNEL_SINK_TOKENS, MAX_SINK_TOKENS, PLUGIN_NAME, PLUGIN_NAMESPACE,
+                            PLUGIN_VERSION, ROTATIONS, STATUS_BITS, STATUS_OUTPUT, config_from_fields,
+                            describe_status, plugin_fields, rotations_from_fields)
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_DIR = ROOT / "plugins" / "kiviAttentionPlugin"
@@ -63,6 +66,9 @@ def test_allowed_values_are_format_constants():
     assert allowed["key_grouping"] == {"values": list(range(len(fmt.SUPPORTED_KEY_GROUPINGS))),
                                        "names": list(fmt.SUPPORTED_KEY_GROUPINGS)}
     assert allowed["format_version"]["values"] == [fmt.FORMAT_VERSION]
+    assert allowed["sink_tokens"] == {"min": 0, "max": MAX_SINK_TOKENS, "supported": list(KERNEL_SINK_TOKENS)}
+    for name in ("k_rotation", "v_rotation"):
+        assert allowed[name] == {"values": list(range(len(ROTATIONS))), "names": list(ROTATIONS)}
     assert allowed["residual_length"]["min"] == 0
     assert allowed["block_size"] == {"min": 1, "multiple_of_field": "group_size"}
     assert allowed["num_heads"] == {"min": 1, "multiple_of_field": "num_kv_heads"}
@@ -72,7 +78,8 @@ def test_allowed_values_round_trip_through_plugin_py():
     # Every allowed value is accepted by plugin.py's config_from_fields (the Python reader of the same fields);
     # the first value outside each list is refused with a message naming the field.
     base = plugin_fields(KiviConfig(), 9, 3, 64)
-    for name in ("k_bits", "v_bits", "group_size", "scale_dtype", "key_grouping", "head_dim"):
+    for name in ("k_bits", "v_bits", "group_size", "scale_dtype", "key_grouping", "k_rotation", "v_rotation",
+                 "head_dim"):
         values = SPEC_FIELDS[name]["allowed"]["values"]
         for v in values:
             fields = dict(base, **{name: v})
@@ -87,11 +94,48 @@ def test_allowed_values_round_trip_through_plugin_py():
             config_from_fields(dict(base, **{name: bad}))
 
 
+def test_issue11_fields_round_trip_and_refusals():
+    # Rotation codes (per layer, K and V separately) are written and read back; sinks are kept in the fields but
+    # refused by a reader whose KiviConfig has no sinks (the C++ creator refuses them until the kernels keep them).
+    fields = plugin_fields(KiviConfig(), 9, 3, 64, k_rotation="hadamard", v_rotation="none")
+    assert list(fields) == list(FIELD_NAMES)
+    assert (fields["sink_tokens"], fields["k_rotation"], fields["v_rotation"]) == (0, 1, 0)
+    assert rotations_from_fields(fields) == ("hadamard", "none")
+    assert config_from_fields(fields)[0] == KiviConfig()  # the op itself is rotation-agnostic
+    assert plugin_fields(KiviConfig(), 9, 3, 64, sink_tokens=4)["sink_tokens"] == 4
+    for kwargs, match in ((dict(sink_tokens=129), r"sink_tokens=129 must be an integer in \[0, 128\]"),
+                          (dict(sink_tokens=-1), "sink_tokens=-1"), (dict(k_rotation="givens"), "k_rotation='givens'"),
+                          (dict(v_rotation=1), "v_rotation=1")):
+        with pytest.raises(ValueError, match=match):
+            plugin_fields(KiviConfig(), 9, 3, 64, **kwargs)
+    if "sink_tokens" not in {f.name for f in dataclasses.fields(KiviConfig)}:
+        with pytest.raises(ValueError, match="sink_tokens=4 is not supported by this KiviConfig"):
+            config_from_fields(dict(fields, sink_tokens=4))
+    with pytest.raises(ValueError, match="sink_tokens=200 must be in"):
+        config_from_fields(dict(fields, sink_tokens=200))
+    with pytest.raises(ValueError, match="v_rotation=2"):
+        rotations_from_fields(dict(fields, v_rotation=2))
+
+
+def test_status_bits_are_the_kernels_error_bits():
+    # op.py names the bits the plugin's status output carries: kiviParams.h's KiviErrorBits (via _abi).
+    assert STATUS_BITS.keys() == {_abi.ERR_LENGTH, _abi.ERR_CAPACITY, _abi.ERR_SLOT, _abi.ERR_BLOCK_ID}
+    header = (ROOT / "plugins" / "kernels" / "include" / "kiviParams.h").read_text()
+    assert dict(re.findall(r"(kKIVI_ERR_\w+) = (\d+),", header)) == {
+        "kKIVI_ERR_LENGTH": "1", "kKIVI_ERR_CAPACITY": "2", "kKIVI_ERR_SLOT": "4", "kKIVI_ERR_BLOCK_ID": "8"}
+    assert describe_status(0) == "none"
+    assert describe_status(_abi.ERR_CAPACITY | _abi.ERR_SLOT) == f"{STATUS_BITS[2]}, {STATUS_BITS[4]}"
+    assert describe_status(16 | 1) == f"{STATUS_BITS[1]}, unknown bits 0x10"
+
+
 def test_io_spec_matches_buffer_order():
     head = ["q", "k", "v", "slot_ids", "past_len", "chunk_len", "block_table"]
     assert [i["name"] for i in SPEC["inputs"]] == head + list(fmt.BUFFER_NAMES)
-    assert [o["name"] for o in SPEC["outputs"]] == ["out"] + list(fmt.BUFFER_NAMES)
-    assert [o["aliased_input"] for o in SPEC["outputs"]] == [None] + list(range(7, 7 + len(fmt.BUFFER_NAMES)))
+    assert [o["name"] for o in SPEC["outputs"]] == ["out"] + list(fmt.BUFFER_NAMES) + [STATUS_OUTPUT]
+    assert [o["aliased_input"] for o in SPEC["outputs"]] == ([None] + list(range(7, 7 + len(fmt.BUFFER_NAMES)))
+                                                             + [None])
+    assert SPEC["outputs"][-1] | {"doc": ""} == {"name": "status", "dtype": "int32", "shape": [1],
+                                                 "aliased_input": None, "doc": ""}
     # Buffer dtypes as format.buffer_dtypes names them ("act" = activation, "scale" = scale_dtype).
     dtypes = fmt.buffer_dtypes(KiviConfig(scale_dtype="bfloat16"), "float16")
     symbolic = {"int32": "int32", "bfloat16": "scale", "float16": "act"}
@@ -143,6 +187,14 @@ def test_cpp_field_table_matches_spec():
     assert consts["kFORMAT_VERSION"] == SPEC_FIELDS["format_version"]["default"]
     assert consts["kSCALE_DTYPE_FLOAT32"] == len(fmt.SUPPORTED_SCALE_DTYPES) - 1
     assert consts["kKEY_GROUPING_PER_TOKEN"] == len(fmt.SUPPORTED_KEY_GROUPINGS) - 1
+    # The plugin's own constants for issue 11's fields (kiviAttentionParams.h) and its output count.
+    header = (PLUGIN_DIR / "kiviAttentionParams.h").read_text()
+    plugin_consts = {m[1]: m[2] for m in re.finditer(r"constexpr int32_t (\w+) = ([^;]+);", header)}
+    assert int(plugin_consts["kMAX_SINK_TOKENS"]) == MAX_SINK_TOKENS
+    assert [int(plugin_consts["kSUPPORTED_SINK_TOKENS"])] == list(KERNEL_SINK_TOKENS)
+    assert [int(plugin_consts[f"kROTATION_{n.upper()}"]) for n in ROTATIONS] == list(range(len(ROTATIONS)))
+    assert plugin_consts["kOUT_STATUS"] == "kOUT_BUFFERS + kNUM_BUFFERS"
+    assert plugin_consts["kNB_OUTPUTS"] == "kOUT_STATUS + 1"
 
 
 def test_cpp_input_names_match_spec():

@@ -10,14 +10,14 @@ settings; they do not apply to unquantized caches and are ignored there. The CLI
 
 from __future__ import annotations
 
-import argparse
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..cache import FullCache, KiviCache
-from ..format import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, SUPPORTED_SCALE_DTYPES, Geometry, KiviConfig
+from ..cache import FullCache, KiviCache, KVCache
+from ..format import SUPPORTED_BITS, Geometry, KiviConfig
 
 FULL_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # KiviConfig fields a --kv spec's knobs may override (the CLI flags --k-bits ... --scale-dtype)
@@ -35,7 +35,7 @@ class KVSpec:
     full_dtype: torch.dtype | None = None
 
     @classmethod
-    def of(cls, cfg: KiviConfig) -> "KVSpec":
+    def of(cls, cfg: KiviConfig) -> KVSpec:
         """The spec of a KiviConfig (e.g. a build folder's), named as --kv would name its bits and grouping."""
         if cfg.key_grouping == "per_token":
             name = f"naive{cfg.k_bits}" if cfg.k_bits == cfg.v_bits else f"naive-k{cfg.k_bits}v{cfg.v_bits}"
@@ -82,7 +82,7 @@ def parse_kv(spec: str, k_bits: int | None = None, v_bits: int | None = None, gr
                          f"k<b>v<b> with b in {SUPPORTED_BITS}")
     over = dict(k_bits=k_bits, v_bits=v_bits, group_size=group_size, residual_length=residual_length,
                 block_size=block_size, scale_dtype=scale_dtype)
-    base = dict(k_bits=kb, v_bits=vb, key_grouping=grouping)
+    base: dict[str, Any] = dict(k_bits=kb, v_bits=vb, key_grouping=grouping)
     base |= {k: v for k, v in over.items() if v is not None}
     cfg = KiviConfig(**base)
     return KVSpec(s, kivi=cfg)
