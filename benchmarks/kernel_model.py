@@ -557,7 +557,6 @@ MMA_RULES = (
     PathRule(MMA, "loadFullPrecisionScores<T, kD>(p, wk, qS, kt, g, t, sc);", 0,
              "quantized chunks (the window's <= 5 chunks are charged at the quantized chunk's instructions)"),
     PathRule(MMA, "accumulateFullPrecisionValues<T, kD>(p, wk, kt, g, t, sc, st);", 0, "quantized chunks"),
-    PathRule(MMA, "out[u] = ActTraits<T>::fromFloat(0.F);", 0, "every row is covered by a sequence"),
     PathRule(MMA, "out[(token * p.numHeads + wk.h * grp + row % grp) * kD + u % kD] = ActTraits<T>::fromFloat(0.F);", 0,
              "valid sequences"),
     PathRule(MMA, "out[(token * p.numHeads + head) * kD + ch] = ActTraits<T>::fromFloat(l > 0.F ? __fdiv_rn(o, l) : 0.F);",

@@ -227,3 +227,17 @@ def test_builtin_model_through_transformers_gguf_loader(one_torch_thread):
         got = hf_generate(hf, KiviCache(hf, kv), [prompt], n=12)
         assert got == ours_generate(model, kv, [prompt], n=12)
     assert tok.decode(got[0]).startswith(" Paris")
+
+
+def test_attention_backend_choice(llama):
+    """backend= reaches the store: the reference backend stores and generates exactly what the default does."""
+    hf, _, tok = llama
+    prompt = tok.encode(TEXT)
+    a, b = KiviCache(hf, spec("kivi2"), max_seq_len=512), KiviCache(hf, spec("kivi2"), 512, backend="reference")
+    assert hf_generate(hf, a, [prompt], n=40) == hf_generate(hf, b, [prompt], n=40)
+    assert b.store.backend_name == "reference"
+    for layer in range(2):
+        sa, sb = a.store.sequence_state(0, layer), b.store.sequence_state(0, layer)
+        assert all(torch.equal(sa[n], sb[n]) for n in sa)
+    with pytest.raises(ValueError, match=r"attention backend 'nope' is not available"):
+        hf_generate(hf, KiviCache(hf, "kivi2", backend="nope"), [prompt], n=2)

@@ -215,10 +215,13 @@ def test_load_many_streaming_clients(server, offline):
     wait_metrics(server, "load", done, timeout=5)
     out = os.environ.get("TRTLLM_KIVI_SERVING_LOAD_REPORT")
     if out:
-        report = {**fig, "slots": MAX_SLOTS, "max_seq_len": MAX_SEQ_LEN, "model": "smollm2-135m (Q4_1 GGUF, fp32)",
+        report = {**fig, "send_window_s": DURATION_S, "load_average_after": os.getloadavg()[0], "slots": MAX_SLOTS, "max_seq_len": MAX_SEQ_LEN, "model": "smollm2-135m (Q4_1 GGUF, fp32)",
                   "kv": "kivi2 R=32 G=32", "server_threads": 1, "sse_clients": CLIENTS // 4,
                   "cases": [c[0] for c in cases], "machine": machine,
-                  "note": "CPU only; this machine's 2 cores were shared with other jobs during the run"}
+                  "note": "CPU only. duration_s: first request to last response (clients send for send_window_s, "
+                          "then the queued requests finish); TTFT includes queueing behind 4 slots. This machine's "
+                          "2 cores were shared with other jobs (see load_average_*), so latencies are far above an "
+                          "idle machine's"}
         with open(out, "w") as f:
             json.dump(report, f, indent=2)
             f.write("\n")

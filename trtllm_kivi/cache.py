@@ -289,7 +289,9 @@ class CpuBackend(AttentionBackend):
 
     @classmethod
     def unavailable(cls, cfg: KiviConfig, device: torch.device, dtype: torch.dtype) -> str | None:
-        return _cpu_unavailable(device)
+        from .cpu.ops import kivi_layout_mismatch
+
+        return kivi_layout_mismatch() or _cpu_unavailable(device)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         from .cpu.ops import kivi_attention_cpu_

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .cache import FullCache, KiviCache as StreamingKiviCache
+from .cache import FullCache, Step
+from .cache import KiviCache as StreamingKiviCache
 from .format import Geometry
 from .runtime.kvspec import KVSpec, parse_kv
 
@@ -51,7 +52,7 @@ class _Layer(CacheLayerMixin):
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, owner: "KiviCache", layer: int) -> None:
+    def __init__(self, owner: KiviCache, layer: int) -> None:
         super().__init__()
         self.owner, self.layer = owner, layer
 
@@ -146,9 +147,11 @@ class KiviCache(Cache):
     kv: a --kv name (kivi2, kivi4, k4v2, naive2, fp16, bf16, fp32) or a runtime.kvspec.KVSpec; knobs (k_bits,
         v_bits, group_size, residual_length, block_size, scale_dtype) override a KIVI spec as the CLI flags do.
     max_seq_len: columns per row the store is allocated for (default: the model's max_position_embeddings).
+    backend: the KIVI store's attention backend (trtllm_kivi.cache BACKENDS; None: its default for the device).
     """
 
-    def __init__(self, model, kv: str | KVSpec = "kivi2", max_seq_len: int | None = None, **knobs: Any) -> None:
+    def __init__(self, model, kv: str | KVSpec = "kivi2", max_seq_len: int | None = None,
+                 backend: str | None = None, **knobs: Any) -> None:
         self.geometry = model_geometry(model)
         super().__init__(layers=[_Layer(self, i) for i in range(self.geometry.num_layers)])
         self.spec = kv if isinstance(kv, KVSpec) else parse_kv(kv, **knobs)
@@ -160,12 +163,13 @@ class KiviCache(Cache):
         decoder = _decoder(model)
         if not hasattr(decoder, _HOOK_ATTR):  # one hook per decoder serves every KiviCache used with it
             setattr(decoder, _HOOK_ATTR, decoder.register_forward_pre_hook(_mask_hook, with_kwargs=True))
+        self.backend = backend
         self.store: StreamingKiviCache | FullCache | None = None  # made at the first update (batch, dtype, device)
         self.columns = 0  # sequence columns seen, padding included (what transformers calls the cache length)
         self._cols: list[torch.Tensor] = []  # per row: the columns its stored tokens came from, in order
         self._armed = False
         self._mask: torch.Tensor | None = None
-        self._step = None  # the open store step between layer 0 and the last layer
+        self._step: Step | None = None  # the open store step between layer 0 and the last layer
         self._real: torch.Tensor | None = None  # [B, c] bool: the chunk's columns that enter the cache
         self._next_layer = 0
 
@@ -227,15 +231,20 @@ class KiviCache(Cache):
                                  f"{self.columns} + new {c}]")
             real = mask[:, self.columns:].to(device=k.device) != 0
         self._real = real
+        assert self.store is not None
         self._step = self.store.begin_step(list(range(b)), real.sum(dim=1).tolist())  # capacity checked here
 
     def _make_store(self, batch: int, dtype: torch.dtype, device: torch.device) -> None:
-        if self.spec.quantized:
-            self.store = StreamingKiviCache(self.spec.kivi, self.geometry, batch, self.max_seq_len, dtype, device)
+        store: StreamingKiviCache | FullCache
+        if self.spec.kivi is not None:
+            store = StreamingKiviCache(self.spec.kivi, self.geometry, batch, self.max_seq_len, dtype, device,
+                                       backend=self.backend)
         else:
-            self.store = FullCache(self.geometry, batch, self.max_seq_len, self.spec.full_dtype, device)
+            assert self.spec.full_dtype is not None
+            store = FullCache(self.geometry, batch, self.max_seq_len, self.spec.full_dtype, device)
         for _ in range(batch):
-            self.store.add_sequence()  # row b lives in slot b
+            store.add_sequence()  # row b lives in slot b
+        self.store = store
         self._cols = [torch.zeros(0, dtype=torch.long, device=device) for _ in range(batch)]
 
     def _update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,6 +256,7 @@ class KiviCache(Cache):
                                f"{self._next_layer}")
         b, hkv, c, d = k.shape
         store, real = self.store, self._real
+        assert store is not None and real is not None
         out_k = k.new_zeros(b, hkv, self.columns + c, d)
         out_v = v.new_zeros(b, hkv, self.columns + c, d)
         for row in range(b):  # the stored state before this chunk, at the columns its tokens came from
@@ -271,9 +281,11 @@ class KiviCache(Cache):
         return out_k, out_v
 
     def _end(self, c: int) -> None:
+        assert self.store is not None and self._step is not None and self._real is not None
         self.store.end_step(self._step)
-        new = torch.arange(self.columns, self.columns + c, device=self._real.device)
-        self._cols = [torch.cat([cols, new[self._real[row]].to(cols.device)]) for row, cols in enumerate(self._cols)]
+        real = self._real
+        new = torch.arange(self.columns, self.columns + c, device=real.device)
+        self._cols = [torch.cat([cols, new[real[row]].to(cols.device)]) for row, cols in enumerate(self._cols)]
         self.columns += c
         self._step, self._real, self._next_layer, self._armed = None, None, 0, False
 

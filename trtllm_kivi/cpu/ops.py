@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..format import SUPPORTED_KEY_GROUPINGS, KiviConfig, buffer_shapes
+from ..format import FORMAT_VERSION, SUPPORTED_KEY_GROUPINGS, KiviConfig, buffer_shapes
 from ..reference.attention import KiviBuffers
 from . import _abi
 from ._abi import KiviCpuDenseParams, KiviCpuLibrary, KiviCpuParams
@@ -97,16 +97,34 @@ def _threads(threads: int | None) -> int:
     return torch.get_num_threads() if threads is None else int(threads)
 
 
+# The code layout plugins/cpu reads and writes: FORMAT_VERSION 1's LINEAR order (K packed along tokens, V along
+# channels). FORMAT_VERSION 3 stores per-channel K and all V codes in FRAGMENT order (format.py); until the native
+# CPU kernels are ported, the KIVI op refuses to run on them (the dense path, full_attention_cpu_, is unaffected).
+CODE_LAYOUT_VERSION = 1
+
+
+def kivi_layout_mismatch() -> str | None:
+    """Why the native CPU KIVI op cannot read this package's stores (None: it can)."""
+    if CODE_LAYOUT_VERSION == FORMAT_VERSION:
+        return None
+    return (f"the native CPU KIVI kernels (plugins/cpu) read the FORMAT_VERSION {CODE_LAYOUT_VERSION} LINEAR code "
+            f"layout; this package stores FORMAT_VERSION {FORMAT_VERSION} (FRAGMENT order): not ported yet")
+
+
 def kivi_attention_cpu_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tensor,
                         past_len: torch.Tensor, chunk_len: torch.Tensor, block_table: torch.Tensor,
                         buffers: KiviBuffers, cfg: KiviConfig, *, isa: str = "auto", threads: int | None = None,
                         phase: int = _abi.PHASE_STEP, out: torch.Tensor | None = None,
                         lib: KiviCpuLibrary | None = None) -> torch.Tensor:
     """Native CPU form of reference.kivi_attention_: updates `buffers` in place, returns out [tokens, H, D].
+    Refused (ValueError) while the native code layout differs from FORMAT_VERSION (kivi_layout_mismatch).
 
     isa: "auto" (best the CPU has; $TRTLLM_KIVI_CPU_ISA overrides), "portable", "avx2" or "avx512" (forced; an
     unsupported one raises ValueError). threads: worker threads (default torch.get_num_threads(); results are
     bit-identical for any value). phase: _abi.PHASE_STEP (attend, then append), PHASE_ATTENTION or PHASE_APPEND."""
+    why = kivi_layout_mismatch()
+    if why:
+        raise ValueError(why)
     lib = lib or _abi.load_library()
     _check_step(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers, cfg)
     if out is None:

@@ -242,7 +242,8 @@ class LlamaModel(nn.Module):
         put(model.norm.weight, "model.norm.weight")
         if model.lm_head is not None:
             put(model.lm_head, "lm_head.weight")
-        for i, b in enumerate(model.layers):
+        blocks: list[Block] = list(model.layers)  # type: ignore[arg-type]  # an nn.ModuleList of Block
+        for i, b in enumerate(blocks):
             p = f"model.layers.{i}."
             put(b.attn_norm.weight, p + "input_layernorm.weight")
             put(b.mlp_norm.weight, p + "post_attention_layernorm.weight")

@@ -64,7 +64,7 @@ def kv_usage(runner: Runner) -> KVUsage:
     # per-block and per-slot bytes from the buffers' leading dims (blocks for the store, slots for the windows)
     block_bytes = slot_bytes = 0
     for layer in pool.layers:
-        for name, t in zip(layer._fields, layer):
+        for name, t in zip(layer._fields, layer, strict=True):
             per = t.numel() * t.element_size() // t.shape[0]
             if name.endswith("_window"):
                 slot_bytes += per

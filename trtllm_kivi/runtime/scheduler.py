@@ -254,7 +254,7 @@ class Scheduler:
             batch = self._build_batch()
             if not batch:
                 return finished
-            reqs, chunks = zip(*batch)
+            reqs, chunks = zip(*batch, strict=False)
             try:
                 logits = self.runner.step([r.slot for r in reqs], list(chunks))  # [B, vocab]
             except Exception as e:  # the runner validates before changing state: fail this batch, keep serving

@@ -48,7 +48,7 @@ class Result:
 
     @property
     def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
 
 
 def wire_array(name: str, value) -> tuple[np.ndarray, str]:

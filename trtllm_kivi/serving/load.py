@@ -96,7 +96,7 @@ def run_load(server: TritonServer, model: str, cases: list[tuple[dict, list[int]
             while take():
                 body, expected = cases[(i + k) % len(cases)]
                 body = dict(body, stream=True)
-                if sse:
+                if grpc is None:
                     r = http_generate_stream(server.http_url, model, body, timeout=request_timeout)
                 else:
                     r = grpc.generate({n: v if isinstance(v, list) else [v] for n, v in body.items()},

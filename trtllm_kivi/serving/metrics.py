@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from typing import Any
 
 from ..runtime.kv_usage import kv_usage
 from ..runtime.scheduler import Scheduler
@@ -68,7 +69,8 @@ class TritonMetrics:
     def __init__(self, pb_utils, scheduler: Scheduler, model: str, interval: float = 0.1) -> None:
         self.scheduler, self.interval = scheduler, interval
         labels = {"model": model}
-        self._families, self._metrics = [], {}
+        self._families: list = []
+        self._metrics: dict[str, Any] = {}  # name -> pb_utils Metric, or reason -> Metric
         kinds = {"gauge": pb_utils.MetricFamily.GAUGE, "counter": pb_utils.MetricFamily.COUNTER}
         for name, (kind, help_) in METRICS.items():
             fam = pb_utils.MetricFamily(name=PREFIX + name, description=help_, kind=kinds[kind])
@@ -89,9 +91,9 @@ class TritonMetrics:
         with self._lock:
             if not self._metrics:
                 return
-            snap = snapshot(self.scheduler)
+            snap: dict[str, Any] = snapshot(self.scheduler)
             snap["generation_tokens_per_second"] = self._rate.update(time.monotonic(),
-                                                                     snap["generation_tokens_total"])
+                                                                     int(snap["generation_tokens_total"]))
             for name, value in snap.items():  # only what changed: each update is a message to the server
                 last, m = self._last.get(name), self._metrics[name]
                 if isinstance(value, dict):

@@ -8,6 +8,7 @@ LD_LIBRARY_PATH."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -35,7 +36,7 @@ class TritonEnv:
     libs: Path
 
     @classmethod
-    def find(cls, root: str | Path | None = None) -> "TritonEnv":
+    def find(cls, root: str | Path | None = None) -> TritonEnv:
         """The serving env at root, $TRTLLM_KIVI_TRITON_ENV or ~/.cache/trtllm-kivi/triton-venv; raises
         FileNotFoundError naming what is missing and how to make it."""
         root = Path(root or os.environ.get(ENV_VAR) or DEFAULT_ENV)
@@ -122,9 +123,9 @@ class TritonServer:
                 "--allow-gpu-metrics=false", "--exit-on-error=true", "--disable-auto-complete-config",
                 f"--exit-timeout-secs={self.exit_timeout}", f"--log-verbose={self.log_verbose}"]
 
-    def start(self, timeout: float = 180.0) -> "TritonServer":
+    def start(self, timeout: float = 180.0) -> TritonServer:
         """Start the server and wait until it reports ready; raises RuntimeError with the log's tail otherwise."""
-        self._log = open(self.log_file, "wb")
+        self._log = open(self.log_file, "wb")  # noqa: SIM115  # open while the server runs; stop() closes it
         # own session: stop() signals the server's process group (the server and its backend stubs) only
         self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
                                      env=self.env.environ(), start_new_session=True,
@@ -211,14 +212,12 @@ class TritonServer:
     def kill_orphans(self) -> list[int]:
         """SIGKILL what is left of the server's process group (stubs that outlived it); returns their PIDs."""
         left = self.group_pids()
-        if left:
-            try:
+        if left and self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         return left
 
-    def __enter__(self) -> "TritonServer":
+    def __enter__(self) -> TritonServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

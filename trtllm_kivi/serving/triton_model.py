@@ -48,13 +48,13 @@ def _error(msg: str, code: str = "INTERNAL"):
 
 def _throttled(check, every_s: float = 0.05):
     """check() at most every every_s seconds (each call is a round trip to the server); True once it was True."""
-    state = {"t": 0.0, "v": False}
+    last, seen = [0.0], [False]
 
     def cancelled() -> bool:
         now = time.monotonic()
-        if not state["v"] and now - state["t"] >= every_s:
-            state["t"], state["v"] = now, bool(check())
-        return state["v"]
+        if not seen[0] and now - last[0] >= every_s:
+            last[0], seen[0] = now, bool(check())
+        return seen[0]
     return cancelled
 
 
@@ -111,9 +111,9 @@ class TritonPythonModel:
                 sender.send(_error(f"{tag}generation failed: {req.error}"), flags=FINAL)
             elif req.finished:
                 if stream:
-                    sender.send(_response(delta, new, req.finish_reason), flags=FINAL)
+                    sender.send(_response(delta, new, req.finish_reason or ""), flags=FINAL)
                 else:
-                    sender.send(_response(req.text, req.tokens, req.finish_reason), flags=FINAL)
+                    sender.send(_response(req.text, req.tokens, req.finish_reason or ""), flags=FINAL)
             elif stream and (new or delta):
                 sender.send(_response(delta, new, ""))
         return on_update
