@@ -19,8 +19,8 @@ from trtllm_kivi.format import Geometry, KiviConfig
 from trtllm_kivi.reference.attention import KiviBuffers, kivi_attention_
 
 if not native.available():
-    pytest.skip("native CPU library not built (run build_scripts/build_cpu_kernels.sh, or set TRTLLM_KIVI_CPU_LIB)",
-                allow_module_level=True)
+    pytest.skip(f"{native.unavailable_reason()} (build: build_scripts/build_cpu_kernels.sh, or set "
+                f"TRTLLM_KIVI_CPU_LIB)", allow_module_level=True)
 
 from trtllm_kivi.cpu.ops import full_attention_cpu_, kivi_attention_cpu_, kivi_layout_mismatch  # noqa: E402
 

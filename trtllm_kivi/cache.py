@@ -307,11 +307,9 @@ def _cpu_unavailable(device: torch.device, head_dim: int | None = None) -> str |
         return f"the cpu backend needs device cpu; the cache is on {device}"
     if head_dim is not None and head_dim not in (64, 128):
         return f"the native CPU kernels take head_dim 64 or 128, not {head_dim}"
-    from .cpu import available
+    from .cpu import unavailable_reason
 
-    if not available():
-        return "the native CPU library is not built (build_scripts/build_cpu_kernels.sh)"
-    return None
+    return unavailable_reason()
 
 
 BACKENDS: dict[str, type[AttentionBackend]] = {"reference": ReferenceBackend, "memo": MemoBackend,

@@ -8,15 +8,25 @@
 from ._abi import KiviCpuLibrary, find_library, load_library
 
 
-def available() -> bool:
-    """True when the native library file is found and loads (any x86-64 or other CPU; no GPU involved)."""
+def unavailable_reason() -> str | None:
+    """Why the native library cannot serve this package's format (None: it can)."""
+    from ..format import FORMAT_VERSION
+
     if find_library() is None:
-        return False
+        return "the native CPU library is not built (build_scripts/build_cpu_kernels.sh)"
     try:
-        load_library()
-    except (OSError, RuntimeError):
-        return False
-    return True
+        lib = load_library()
+    except (OSError, RuntimeError) as e:
+        return f"the native CPU library does not load: {e}"
+    if lib.format_version() != FORMAT_VERSION:
+        return (f"the native CPU library implements FORMAT_VERSION {lib.format_version()}, this package stores "
+                f"FORMAT_VERSION {FORMAT_VERSION}")
+    return None
 
 
-__all__ = ["KiviCpuLibrary", "find_library", "load_library", "available"]
+def available() -> bool:
+    """True when the native library is found, loads and implements this package's FORMAT_VERSION."""
+    return unavailable_reason() is None
+
+
+__all__ = ["KiviCpuLibrary", "find_library", "load_library", "available", "unavailable_reason"]

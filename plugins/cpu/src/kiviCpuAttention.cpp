@@ -536,9 +536,13 @@ using namespace trtllm_kivi::cpu;
 
 extern "C" {
 
+// The storage layout these kernels read and write: FORMAT_VERSION 1 (codes in token/channel order). format.py's
+// FORMAT_VERSION 3 (fragment-order codes) is not implemented yet; trtllm_kivi.cpu refuses the library on a mismatch.
+constexpr int32_t kIMPLEMENTED_FORMAT_VERSION = 1;
+
 int32_t kiviCpuFormatVersion(void)
 {
-    return kFORMAT_VERSION;
+    return kIMPLEMENTED_FORMAT_VERSION;
 }
 
 size_t kiviCpuParamsSize(void)
