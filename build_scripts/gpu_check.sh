@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One-command GPU check of the KIVI kernels on a bare GPU machine (nvcc, cmake, python3 with torch + pytest + numpy):
 #   1. build the kernel library for this GPU's arch only (nvidia-smi, else torch), with ptxas register/spill info;
-#   2. run the GPU tests (tests/test_kernels_gpu.py) and the CPU model tests;
-#   3. run the kernel benchmark (benchmarks/bench_kernels.py);
+#   2. run the GPU tests (tests/test_kernels_gpu.py: the default mma.sync kernel against the reference);
+#   3. run the kernel benchmark (benchmarks/bench_kernels.py: KIVI vs the same kernel over an FP16 cache, torch SDPA,
+#      copy bandwidth);
 #   4. write $OUT/gpu_check.json (summary) next to build.log, tests.log, junit XML and bench_kernels.json.
 # Usage: build_scripts/gpu_check.sh [--quick]    ($OUT defaults to build/gpu_check; total budget ~5 minutes;
 #        $PYTHON picks the interpreter, $KIVI_GPU_ARCH overrides the detected arch)
@@ -43,7 +44,7 @@ echo "gpu_check.sh: build rc=${build_rc} in $((T1 - T0)) s"
 
 tests_rc=1
 if [[ ${build_rc} -eq 0 ]]; then
-  timeout 150 ${PY} -m pytest -p no:cacheprovider -q tests/test_kernels_gpu.py \
+  timeout 170 ${PY} -m pytest -p no:cacheprovider -q tests/test_kernels_gpu.py \
     --junitxml="${OUT}/gpu_tests.xml" >"${OUT}/tests.log" 2>&1
   tests_rc=$?
 fi
@@ -71,8 +72,19 @@ out = Path(out)
 summary = {"arch": arch, "build_rc": int(b), "tests_rc": int(t), "bench_rc": int(bench),
            "seconds": {"build": int(tb), "tests": int(tt), "bench": int(tbench)}}
 log = (out / "build.log").read_text(errors="replace") if (out / "build.log").exists() else ""
-summary["ptxas"] = [line.strip() for line in log.splitlines()
-                    if "registers" in line or "spill" in line or "Compiling entry" in line][-64:]
+kernels, cur = [], None
+for line in log.splitlines():  # ptxas -v: "Compiling entry function 'NAME' for 'sm_XX'", then spills, registers
+    m = re.search(r"Compiling entry function '([^']+)' for '(sm_\d+)'", line)
+    if m:
+        cur = {"kernel": m.group(1), "arch": m.group(2)}
+        kernels.append(cur)
+    elif cur is not None:
+        if (m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)):
+            cur["spill_stores"], cur["spill_loads"] = int(m.group(1)), int(m.group(2))
+        if (m := re.search(r"Used (\d+) registers", line)):
+            cur["registers"] = int(m.group(1))
+summary["ptxas"] = kernels
+summary["spilling_kernels"] = [k["kernel"] for k in kernels if k.get("spill_stores", 0) or k.get("spill_loads", 0)]
 junit = out / "gpu_tests.xml"
 if junit.exists():
     root = ET.parse(junit).getroot()
@@ -84,6 +96,9 @@ bench_json = out / "bench_kernels.json"
 if bench_json.exists():
     rep = json.loads(bench_json.read_text())
     summary["bench"] = {"copy_gbps": rep["copy"]["gbps"], "goals": rep.get("goals"),
+                        "decode": [{k: r.get(k) for k in ("model", "batch", "context", "speedup_vs_fp16_mma",
+                                                          "speedup_vs_sdpa_fp16", "kivi_fraction_of_copy_bw")}
+                                   for r in rep.get("decode", [])],
                         "quantize_gbps": rep.get("quantize", {}).get("gbps"), "file": str(bench_json)}
 (out / "gpu_check.json").write_text(json.dumps(summary, indent=1))
 print(json.dumps({k: v for k, v in summary.items() if k != "ptxas"}, indent=1))

@@ -44,7 +44,7 @@ def make(cfg: KiviConfig = KiviConfig(), h: int = 32, hkv: int = 8, d: int = 128
     vals = dict(numHeads=h, numKvHeads=hkv, headDim=d, kBits=cfg.k_bits, vBits=cfg.v_bits, groupSize=cfg.group_size,
                 residualLength=cfg.residual_length, blockSize=cfg.block_size, scaleDtype=0, keyGrouping=0,
                 actDtype=0, batch=batch, numTokens=tokens, maxChunkLen=0, maxSeqLen=0, numBlocks=1000, numSlots=8,
-                maxBlocksPerSeq=64, numSms=0)
+                maxBlocksPerSeq=64, numSms=0, ctasPerSm=0)
     for i, name in enumerate(_abi._PTR_FIELDS):
         setattr(p, name, 0x100000 * (i + 1))
     vals.update(over)
@@ -87,10 +87,13 @@ def test_valid_params_pass(host_lib):
     (dict(q=None), r"q is a null pointer"),
     (dict(vWindow=None), r"v_window is a null pointer"),
     (dict(k=0x100008), r"k=0x100008 is not 16-byte aligned"),
-    (dict(kScale=0x100001), r"k_scale=0x100001 is not 2-byte aligned"),
+    (dict(kScale=0x100008), r"k_scale=0x100008 is not 16-byte aligned"),
     (dict(numBlocks=0), r"num_blocks=0, .*must be positive"),
     (dict(batch=-1), r"batch=-1 and num_tokens=4 must be >= 0"),
-    (dict(attentionImpl=3), r"attention_impl=3 is not supported; allowed: 0 \(auto\), 1 \(simt\), 2 \(tensor_core\)"),
+    (dict(attentionImpl=4), r"attention_impl=4 is not supported; allowed: 0 \(auto\), 3 \(mma\)"),
+    (dict(attentionImpl=1), r"attention_impl=1 \(legacy SIMT/WMMA kernel\) reads the FORMAT_VERSION 1 code layout"),
+    (dict(attentionImpl=2), r"attention_impl=2 \(legacy"),
+    (dict(ctasPerSm=-1), r"ctas_per_sm=-1 is out of range; allowed: 0 \(= 3\) \.\. 64"),
     (dict(numSms=-1), r"num_sms=-1 must be >= 0"),
 ])
 def test_validation_names_the_bad_value(host_lib, over, match):
@@ -145,12 +148,15 @@ def test_launch_plan_matches_the_model_and_bounds_the_work(host_lib):
         mbs = rng.choice((1, 8, 1024))
         max_seq = rng.choice((0, 0, min(rng.randint(1, 5000), mbs * 128 + cfg.window_capacity)))
         sms = rng.choice((0, 1, 132, 1000))
+        cps = rng.choice((0, 1, 4, 7))
         p = make(cfg, h=hkv * grp, hkv=hkv, d=rng.choice((64, 128)), batch=batch, tokens=tokens,
-                 maxBlocksPerSeq=mbs, maxSeqLen=max_seq, numSms=sms)
+                 maxBlocksPerSeq=mbs, maxSeqLen=max_seq, numSms=sms, ctasPerSm=cps)
         got = host_lib.launch_plan(p)
-        want = model.launch_plan(cfg, hkv * grp, hkv, p.headDim, batch, tokens, mbs, 0, max_seq, sms)
+        want = model.launch_plan(cfg, hkv * grp, hkv, p.headDim, batch, tokens, mbs, 0, max_seq, sms, cps)
         assert got == want.__dict__, (got, want)
-        assert want.num_tiles >= sum(math.ceil(c / want.tile_tokens) for c in chunks)
+        assert want.num_tiles >= sum(math.ceil(c * grp / want.tile_rows) for c in chunks)
+        slots = (sms or 132) * (cps or 4)
+        assert want.num_tiles * hkv * want.num_splits <= max(slots, want.num_tiles * hkv)  # never past one wave
         assert want.split_len % 32 == 0 and want.num_splits * want.split_len >= want.max_seq_len
         assert (want.num_splits - 1) * want.split_len < want.max_seq_len  # no split is empty for every length
         for c in chunks:
@@ -211,30 +217,34 @@ def test_profile_workspace_serves_every_step_of_the_profile(host_lib):
 
 def test_profile_workspace_numbers_for_long_prefill_profiles(host_lib):
     """Issue 12: a Llama-3-8B layer (32 q heads, 8 KV heads, D 128) with profiles up to 8K and 32K tokens per step
-    and 32K / 128K contexts was given 141 MB and 550 MB of split workspace sized by a bound on T x numSplits (T +
-    4 x 132 x 4 / 8 = 8456 rows x 32 heads for 8K tokens). The largest use is a step of 256 tokens, which
-    splits its keys 2 ways: 256 x 32 x 2 rows of 130 fp32 + seq info."""
+    and 32K / 128K contexts was given 141 MB and 550 MB of split workspace sized by a bound on T x numSplits. With
+    tiles of 8 query rows (GQA 4: 2 tokens per tile, + 1 per sequence) and splits = floor(132 SMs x 3 CTAs / (tiles x
+    8 KV heads)), the step with the most partial rows is batch 1, T = 46 tokens: 24 tiles x 8 = 192 CTAs, 2 splits,
+    46 x 32 x 2 rows of 130 fp32 (T = 47 has 25 tiles: 1 split) + seq info."""
     for t_max, mbs in ((8192, 256), (32768, 1024)):
         big = make(h=32, hkv=8, d=128, batch=8, tokens=t_max, maxBlocksPerSeq=mbs)
         limit = host_lib.workspace_size_for_profile(big, 1, 1, mbs)
-        rows = 256 * 32 * 2
-        assert limit == math.ceil(rows * 128 * 4 / 256) * 256 + rows * 2 * 4 + 256, limit  # 8,519,936 bytes
-        step = make(h=32, hkv=8, d=128, batch=1, tokens=256, maxBlocksPerSeq=mbs)
+        rows = 46 * 32 * 2
+        assert limit == math.ceil(rows * 128 * 4 / 256) * 256 + math.ceil(rows * 2 * 4 / 256) * 256 + 256, limit
+        step = make(h=32, hkv=8, d=128, batch=1, tokens=46, maxBlocksPerSeq=mbs)
         assert host_lib.launch_plan(step)["num_splits"] == 2
-        assert limit < 9 * 2 ** 20
+        assert host_lib.launch_plan(make(h=32, hkv=8, d=128, batch=1, tokens=47, maxBlocksPerSeq=mbs))[
+            "num_splits"] == 1
+        assert limit < 2 * 2 ** 20
     # A profile whose minimum already fills the GPU never splits: seq info only.
     big = make(h=32, hkv=8, d=128, batch=8, tokens=8192, maxBlocksPerSeq=256)
     assert host_lib.workspace_size_for_profile(big, 4096, 8, 256) == 256
 
 
-def test_tensor_core_attention_needs_sm80(host_lib):
-    """The WMMA kernel's body is compiled for sm_80+ only: the launcher checks the device's compute capability."""
-    tc = make(attentionImpl=_abi.ATTN_TENSOR_CORE)
-    msg = host_lib.check_arch(tc, 75)
-    assert "attention_impl=2 (tensor_core) needs compute capability >= 8.0; this device is sm_75 (7.5)" in msg
-    assert host_lib.check_arch(tc, 80) == "" and host_lib.check_arch(tc, 90) == ""
-    for impl in (_abi.ATTN_AUTO, _abi.ATTN_SIMT):
-        assert host_lib.check_arch(make(attentionImpl=impl), 75) == ""
+def test_attention_needs_sm80(host_lib):
+    """The default attention kernel (mma.sync bf16/f16, movmatrix, cp.async) needs sm_80: the launcher checks the
+    device's compute capability and names both."""
+    for impl in (_abi.ATTN_AUTO, _abi.ATTN_MMA):
+        p = make(attentionImpl=impl)
+        msg = host_lib.check_arch(p, 75)
+        assert (f"attention_impl={impl} (the mma.sync attention kernel) needs compute capability >= 8.0; this device "
+                "is sm_75 (7.5)") in msg
+        assert host_lib.check_arch(p, 80) == "" and host_lib.check_arch(p, 90) == ""
 
 
 def test_built_cuda_library_exports_the_same_abi():

@@ -14,8 +14,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from trtllm_kivi.format import KiviConfig
-from trtllm_kivi.reference import (dequantize_groups, dequantize_keys, dequantize_values, pack, quantize_along,
-                                   quantize_groups, quantize_keys, quantize_values, unpack)
+from trtllm_kivi.reference import (dequantize_groups, dequantize_keys, dequantize_values, pack, pack_fragments,
+                                   quantize_along,
+                                   quantize_groups, quantize_keys, quantize_values, unpack,
+                                   unpack_fragments)
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -244,7 +246,7 @@ def test_key_and_value_grouping_matches_per_group_oracle(bits, g, d, hkv, ngroup
 
     # Keys, per channel: for each head h, channel c, token group j: tokens [j*G, (j+1)*G) of channel c.
     kc, ks, kz = quantize_keys(x, cfg)
-    k_codes = unpack(kc, bits, n, dim=1)  # [Hkv, n, D]
+    k_codes = unpack_fragments(kc.reshape(hkv, -1), bits, "keys", n, d)  # [Hkv, n, D]
     for h in range(hkv):
         groups = xn[h].T.reshape(d, ngroups, g).reshape(d * ngroups, g)  # [(c, j), G]
         oc, os_, oz = group_oracle(groups, bits, s_dtype)
@@ -257,7 +259,7 @@ def test_key_and_value_grouping_matches_per_group_oracle(bits, g, d, hkv, ngroup
 
     # Values, per token: for each head h, token t, channel group j: channels [j*Gv, (j+1)*Gv) of token t.
     vc, vs, vz = quantize_values(x, cfg)
-    v_codes = unpack(vc, bits, d, dim=2)  # [Hkv, n, D]
+    v_codes = unpack_fragments(vc.reshape(hkv, -1), bits, "values", n, d)  # [Hkv, n, D]
     for h in range(hkv):
         groups = xn[h].reshape(n * (d // gv), gv)
         oc, os_, oz = group_oracle(groups, bits, s_dtype)
@@ -268,9 +270,9 @@ def test_key_and_value_grouping_matches_per_group_oracle(bits, g, d, hkv, ngroup
     expect = v_codes.float() * vs.float().repeat_interleave(gv, 2) + vz.float().repeat_interleave(gv, 2)
     assert torch.equal(deq, expect)
 
-    # Per-token keys (the naive control) are grouped exactly like values.
+    # Per-token keys (the naive control) are grouped exactly like values (codes in LINEAR order).
     pc, ps, pz = quantize_keys(x, KiviConfig(**cfg_args, key_grouping="per_token"))
-    assert torch.equal(pc, vc) and torch.equal(ps, vs) and torch.equal(pz, vz)
+    assert torch.equal(unpack(pc, bits, d, dim=2), v_codes) and torch.equal(ps, vs) and torch.equal(pz, vz)
 
 
 def test_quantize_along_rejects_partial_groups():
@@ -309,3 +311,54 @@ def test_drifting_values_need_per_token_scales():
     mse = lambda y: ((x - y) ** 2).mean().item()  # noqa: E731
     assert mse(static) > 10 * mse(per_token), (mse(static), mse(per_token))
     assert mse(static) > 10 * mse(streamed), (mse(static), mse(streamed))
+
+
+# ---------------------------------------------------------------------------------------------- fragment order
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("kind", ["keys", "values"])
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_fragment_pack_round_trip_and_is_a_permutation(bits, kind, d):
+    """pack_fragments is a bijection of the codes of each 16-token tile (every code lands in exactly one word
+    position) and unpack_fragments inverts it."""
+    gen = torch.Generator().manual_seed(bits * d)
+    codes = torch.randint(0, 2 ** bits, (2, 48, d), generator=gen).int()
+    words = pack_fragments(codes, bits, kind)
+    assert words.shape == (2, 48 * d * bits // 32)
+    assert torch.equal(unpack_fragments(words, bits, kind, 48, d), codes)
+    assert torch.equal(unpack_fragments(words, bits, kind, 32, d), codes[:, :32])  # a prefix of tiles
+    seen = torch.zeros(16 * d, dtype=torch.int64)  # every (token, channel) of a tile exactly once
+    seen.index_add_(0, torch.tensor([fmt_coord_flat(kind, lane, j, h, p, bits, d)
+                                     for lane in range(32) for j in range(d * bits // 64)
+                                     for h in range(2) for p in range(16 // bits)]), torch.ones(16 * d, dtype=torch.int64))
+    assert torch.all(seen == 1)
+
+
+def fmt_coord_flat(kind, lane, j, h, p, bits, d):
+    from trtllm_kivi.format import fragment_coord
+    tok, ch = fragment_coord(kind, lane, j, h, p, bits)
+    return tok * d + ch
+
+
+def test_fragment_order_by_hand():
+    """Oracle: the PTX ISA's m16n8k16 A-fragment layout written out by hand for lane 5 (groupID 1,
+    threadID_in_group 1), 2-bit codes, D = 64 (nw = 2 words per lane and tile)."""
+    from trtllm_kivi.format import fragment_coord
+    # keys: register r = pair % 4 holds (row g + 8 (r & 1), cols 2t + 8 (r >> 1) + half); block i = pair // 4
+    assert fragment_coord("keys", 5, 0, 0, 0, 2) == (1, 2)  # a0 lo: key 1, channel 2
+    assert fragment_coord("keys", 5, 0, 1, 0, 2) == (1, 3)  # a0 hi: channel 3
+    assert fragment_coord("keys", 5, 0, 0, 1, 2) == (9, 2)  # a1: key g + 8
+    assert fragment_coord("keys", 5, 0, 0, 2, 2) == (1, 10)  # a2: channel 2t + 8
+    assert fragment_coord("keys", 5, 0, 0, 4, 2) == (1, 18)  # pair 4: k-block 1
+    assert fragment_coord("keys", 5, 1, 0, 0, 2) == (1, 34)  # word 1 starts at pair 8: k-block 2
+    # values (V^T tiles): rows are channels, columns (pairs) are tokens
+    assert fragment_coord("values", 5, 0, 0, 0, 2) == (2, 1)  # a0 lo: token 2t, channel g
+    assert fragment_coord("values", 5, 0, 1, 1, 2) == (3, 9)  # a1 hi: token 2t + 1, channel g + 8
+    assert fragment_coord("values", 5, 0, 0, 3, 2) == (10, 9)  # a3: token 2t + 8, channel g + 8
+    assert fragment_coord("values", 5, 0, 0, 4, 2) == (2, 17)  # pair 4: channel m-tile 1
+    # bits: lane 0, tile of all-zero codes but key 0 / channel 1 = 3 -> word 0, half 1, position 0
+    codes = torch.zeros(16, 64, dtype=torch.int32)
+    codes[0, 1] = 3
+    w = pack_fragments(codes, 2, "keys")
+    assert w[0].item() == 3 << 16 and int((w != 0).sum()) == 1

@@ -6,13 +6,14 @@ exporter use comes from here. The C++ side reads `plugins/include/kiviFormat.h`,
 
 Layouts (per layer; Hkv = num_kv_heads, D = head_dim, BS = block_size, G = group_size, W = window capacity):
 
-    k_codes   [num_blocks, Hkv, BS // (32 // k_bits), D]  int32   per-channel keys: a word packs 32/k_bits
-                                                                  consecutive tokens of one channel (pack axis: token)
-              [num_blocks, Hkv, BS, D // (32 // k_bits)]  int32   per-token keys (naive control; pack axis: channel)
+    k_codes   [num_blocks, Hkv, BS // (32 // k_bits), D]  int32   per-channel keys, FRAGMENT order (below); the
+                                                                  container shape holds BS * D * k_bits / 32 words
+              [num_blocks, Hkv, BS, D // (32 // k_bits)]  int32   per-token keys (naive control): LINEAR order, a word
+                                                                  packs 32/k_bits consecutive channels of one token
     k_scale   [num_blocks, Hkv, BS // G, D]               sz      per channel over G tokens
               [num_blocks, Hkv, BS, D // Gv]              sz      per-token keys (naive control)
     k_zero    same as k_scale
-    v_codes   [num_blocks, Hkv, BS, D // (32 // v_bits)]  int32   a word packs 32/v_bits consecutive channels of a token
+    v_codes   [num_blocks, Hkv, BS, D // (32 // v_bits)]  int32   per-token values, FRAGMENT order (below)
     v_scale   [num_blocks, Hkv, BS, D // Gv]              sz      per token over Gv = min(G, D) channels
     v_zero    same as v_scale
     k_window  [num_slots, Hkv, W, D]                      act     full-precision window, W = R + G - 1; token t of a
@@ -20,8 +21,32 @@ Layouts (per layer; Hkv = num_kv_heads, D = head_dim, BS = block_size, G = group
     block_table [batch, max_blocks_per_seq]               int32   quantized token t lives in block
                                                                   block_table[b, t // BS], row t % BS
 
-Words are int32 (TensorRT has no uint32); code i of a word occupies bits [i * bits, (i + 1) * bits) (LSB-first).
-sz = scale/zero dtype (fp16 default), act = activation dtype (fp16 or bf16; fp32 in the CPU reference).
+Words are int32 (TensorRT has no uint32). LINEAR order: code i of a word occupies bits [i * bits, (i + 1) * bits)
+(LSB-first). sz = scale/zero dtype (fp16 default), act = activation dtype (fp16 or bf16; fp32 in the CPU reference).
+
+FRAGMENT order (FORMAT_VERSION 3; per_channel k_codes and all v_codes). The words of one (block, KV head) are a
+flat array (the container shapes above only fix their count) cut into tiles of MMA_TILE_TOKENS = 16 tokens (tile
+tau = tokens [16 tau, 16 tau + 16) of the block, words [tau * 32 * nw, (tau + 1) * 32 * nw)); inside a tile, lane L
+(0..31) of a warp owns nw = D * bits / 64 consecutive words: word index (tau * 32 + L) * nw + j. With
+g = L // 4 (PTX groupID) and t = L % 4 (threadID_in_group), word j of lane L holds, at bit position p (0 <= p <
+16 / bits) of half h (0: bits [0, 16), 1: bits [16, 32)), i.e. at word bits [16 h + p * bits, 16 h + (p + 1) * bits),
+the code of pair  pi = j * (16 / bits) + p,  register r = pi % 4,  block i = pi // 4:
+    keys:   token 16 tau + g + 8 (r & 1),            channel 16 i + 8 (r >> 1) + 2 t + h
+    values: token 16 tau + 8 (r >> 1) + 2 t + h,     channel 16 i + g + 8 (r & 1)
+That is the register order of the A operand of mma.sync.m16n8k16 (row-major A, 16 x 16; register r holds the
+element pair (row g + 8 (r & 1), cols 2 t + 8 (r >> 1) + {0, 1})), with A = the 16-key x 16-channel K tile for
+S = K q^T (pairs along channels) and A = the 16-channel x 16-key V^T tile for O^T = V^T P^T (pairs along tokens).
+The kernel turns word j into register r with one shift and one lop3: shifting the codes of position p to the top
+`bits` mantissa bits of each half and OR-ing 1.0 (ONE_FP16 0x3C00 / ONE_BF16 0x3F80) gives exactly the pair
+(1 + c_lo 2^-bits, 1 + c_hi 2^-bits); the 1 and the 2^-bits are folded into the scales (bf16 has 7 mantissa bits,
+so 8-bit codes are converted through fp32 there). This is the fp16 magic-number trick with the code at the top of
+the mantissa instead of at its bottom (0x6400: 1024 + c), which keeps the folded-away constant within 2^bits of the
+signal instead of 1024 / (2^bits - 1) times it (trtllm_kivi/cuda/mma_model.py).
+Tokens of one G-group stay whole tiles (G % 16 == 0), so flushing a group writes a contiguous word range.
+
+Scales and zeros keep their FORMAT_VERSION 1 layout (separate k_scale/k_zero and v_scale/v_zero buffers, not
+interleaved pairs): the op contract has 8 cache buffers (BUFFER_NAMES, plugin I/O, ONNX graph) and the kernel loads
+both through shared memory with the same bytes either way.
 """
 
 from __future__ import annotations
@@ -33,7 +58,7 @@ import numbers
 import sys
 from dataclasses import dataclass
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 3  # 3: fragment-order codes (version 2 = issue 9's sink/rotation options)
 
 SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
@@ -53,6 +78,13 @@ DEFAULT_RESIDUAL_LENGTH = 128
 DEFAULT_BLOCK_SIZE = 128
 DEFAULT_SCALE_DTYPE = "float16"
 DEFAULT_KEY_GROUPING = "per_channel"
+
+# Fragment order (see the module docstring): tiles of 16 tokens, 32 lanes, nw = D * bits / 64 words per lane.
+MMA_TILE_TOKENS = 16
+FRAGMENT_LANES = 32
+FRAGMENT_KINDS = ("keys", "values")
+ONE_FP16 = 0x3C00  # fp16 1.0: a b-bit code OR-ed into mantissa bits [10 - b, 10) gives exactly 1 + c 2^-b
+ONE_BF16 = 0x3F80  # bf16 1.0: mantissa bits [7 - b, 7): exact for 2- and 4-bit codes
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # The one table of dtype names: canonical names (also the C ABI's dtype codes, by index) and their short aliases.
@@ -81,6 +113,26 @@ def codes_per_word(bits: int) -> int:
     """Number of `bits`-wide codes in one int32 word."""
     _check_choice("bits", bits, SUPPORTED_BITS)
     return WORD_BITS // bits
+
+
+def fragment_words_per_lane(head_dim: int, bits: int) -> int:
+    """nw = D * bits / 64: words lane L owns in one 16-token tile (D a multiple of 32, bits 2/4/8)."""
+    _check_choice("bits", bits, SUPPORTED_BITS)
+    if head_dim <= 0 or head_dim % 32 != 0:
+        raise ValueError(f"head_dim={head_dim} must be a positive multiple of 32")
+    return head_dim * bits // 64
+
+
+def fragment_coord(kind: str, lane: int, j: int, half: int, pos: int, bits: int) -> tuple[int, int]:
+    """(token within the 16-token tile, channel) of the code at bit position `pos` of half `half` of word `j` of
+    lane `lane` in FRAGMENT order (module docstring)."""
+    _check_choice("kind", kind, FRAGMENT_KINDS)
+    g, t = lane // 4, lane % 4
+    pi = j * (16 // bits) + pos
+    r, i = pi % 4, pi // 4
+    if kind == "keys":
+        return g + 8 * (r & 1), 16 * i + 8 * (r >> 1) + 2 * t + half
+    return 8 * (r >> 1) + 2 * t + half, 16 * i + g + 8 * (r & 1)
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -275,6 +327,10 @@ def c_header() -> str:
         f"constexpr int32_t kSUPPORTED_BITS[] = {{{bits}}};",
         f"constexpr int32_t kSUPPORTED_GROUP_SIZES[] = {{{groups}}};",
         f"constexpr int32_t kSUPPORTED_HEAD_DIMS[] = {{{dims}}};",
+        f"constexpr int32_t kMMA_TILE_TOKENS = {MMA_TILE_TOKENS}; // fragment order: 16-token tiles (format.py)",
+        f"constexpr int32_t kFRAGMENT_LANES = {FRAGMENT_LANES};",
+        f"constexpr uint32_t kONE_FP16 = 0x{ONE_FP16:04X}U; // fragment conversion: 1.0 | code << (10 - b)",
+        f"constexpr uint32_t kONE_BF16 = 0x{ONE_BF16:04X}U; // 1.0 | code << (7 - b), b <= 4",
         f"constexpr int32_t kDEFAULT_K_BITS = {DEFAULT_K_BITS};",
         f"constexpr int32_t kDEFAULT_V_BITS = {DEFAULT_V_BITS};",
         f"constexpr int32_t kDEFAULT_GROUP_SIZE = {DEFAULT_GROUP_SIZE};",
@@ -295,6 +351,8 @@ def c_header() -> str:
         f"constexpr int32_t kNUM_BUFFERS = {len(BUFFER_NAMES)};",
         "",
         "constexpr int32_t codesPerWord(int32_t bits) { return kWORD_BITS / bits; }",
+        "// Fragment order: words one lane owns in a 16-token tile (nw = D * bits / 64).",
+        "constexpr int32_t fragmentWordsPerLane(int32_t headDim, int32_t bits) { return headDim * bits / 64; }",
         "// W = R + G - 1; token t of a sequence lives at window row t % W.",
         "constexpr int32_t windowCapacity(int32_t residualLength, int32_t groupSize)",
         "{",

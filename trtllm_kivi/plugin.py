@@ -6,6 +6,7 @@ The op's identity and field list moved to trtllm_kivi.op; they are re-exported h
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from pathlib import Path
@@ -37,10 +38,10 @@ def load_plugin_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
     `import tensorrt` is attempted first for that. Engines loaded through IPluginRegistry::loadLibrary (trtexec
     --dynamicPlugins) use the library's getCreators instead and do not need this function."""
     lib_path = find_plugin_library(path)
-    try:
-        import tensorrt  # noqa: F401  (loads libnvinfer first, so the library's load-time registration finds it)
-    except ImportError:
-        pass  # without TensorRT the library still loads (nothing to register with)
+    # tensorrt loads libnvinfer first, so the library's load-time registration finds it; without TensorRT the
+    # library still loads (nothing to register with)
+    with contextlib.suppress(ImportError):
+        import tensorrt  # noqa: F401
     lib = ctypes.CDLL(str(lib_path), mode=ctypes.RTLD_GLOBAL)
     lib.kiviGetFormatVersion.restype = ctypes.c_int32
     lib.kiviGetFormatVersion.argtypes = []

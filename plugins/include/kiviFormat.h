@@ -5,11 +5,15 @@
 
 namespace trtllm_kivi
 {
-constexpr int32_t kFORMAT_VERSION = 1;
+constexpr int32_t kFORMAT_VERSION = 3;
 constexpr int32_t kWORD_BITS = 32; // int32 words, LSB-first: code i at bits [i*b, (i+1)*b)
 constexpr int32_t kSUPPORTED_BITS[] = {2, 4, 8};
 constexpr int32_t kSUPPORTED_GROUP_SIZES[] = {32, 64, 128};
 constexpr int32_t kSUPPORTED_HEAD_DIMS[] = {64, 128};
+constexpr int32_t kMMA_TILE_TOKENS = 16; // fragment order: 16-token tiles (format.py)
+constexpr int32_t kFRAGMENT_LANES = 32;
+constexpr uint32_t kONE_FP16 = 0x3C00U; // fragment conversion: 1.0 | code << (10 - b)
+constexpr uint32_t kONE_BF16 = 0x3F80U; // 1.0 | code << (7 - b), b <= 4
 constexpr int32_t kDEFAULT_K_BITS = 2;
 constexpr int32_t kDEFAULT_V_BITS = 2;
 constexpr int32_t kDEFAULT_GROUP_SIZE = 32;
@@ -35,6 +39,8 @@ constexpr int32_t kBUFFER_V_WINDOW = 7;
 constexpr int32_t kNUM_BUFFERS = 8;
 
 constexpr int32_t codesPerWord(int32_t bits) { return kWORD_BITS / bits; }
+// Fragment order: words one lane owns in a 16-token tile (nw = D * bits / 64).
+constexpr int32_t fragmentWordsPerLane(int32_t headDim, int32_t bits) { return headDim * bits / 64; }
 // W = R + G - 1; token t of a sequence lives at window row t % W.
 constexpr int32_t windowCapacity(int32_t residualLength, int32_t groupSize)
 {

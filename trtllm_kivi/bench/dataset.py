@@ -42,7 +42,7 @@ def token_norm_dist(num_requests: int, input_mean: float, input_stdev: float, ou
     ins = _lengths(num_requests, input_mean, input_stdev, g, "input length")
     outs = _lengths(num_requests, output_mean, output_stdev, g, "output length")
     return [BenchRequest(i, torch.randint(0, vocab_size, (n,), generator=g).tolist(), o)
-            for i, (n, o) in enumerate(zip(ins, outs))]
+            for i, (n, o) in enumerate(zip(ins, outs, strict=False))]
 
 
 def from_text(text: str, tokenizer, num_requests: int, input_len: int, output_mean: float, output_stdev: float = 0,
@@ -120,8 +120,8 @@ def summary(requests: list[BenchRequest]) -> dict:
     ins = [len(r.input_ids) for r in requests]
     outs = [r.output_tokens for r in requests]
     return {"num_requests": len(requests), "isl_stats": percentiles(ins), "osl_stats": percentiles(outs),
-            "seq_len_stats": percentiles([i + o for i, o in zip(ins, outs)]),
-            "max_isl": max(ins), "max_osl": max(outs), "max_sequence_length": max(i + o for i, o in zip(ins, outs)),
+            "seq_len_stats": percentiles([i + o for i, o in zip(ins, outs, strict=False)]),
+            "max_isl": max(ins), "max_osl": max(outs), "max_sequence_length": max(i + o for i, o in zip(ins, outs, strict=False)),
             "avg_isl": sum(ins) / len(ins), "avg_osl": sum(outs) / len(outs)}
 
 

@@ -66,7 +66,7 @@ def benchmark_statistics(timings: Sequence[RequestTiming], streaming: bool = Tru
             "request_throughput_req_s": len(timings) / total,
             "system_output_throughput_tok_s": n_out / total,
             "system_total_throughput_tok_s": (n_in + n_out) / total,
-            "output_throughput_per_user_tok_s": sum(t.output_tokens / max(l, 1e-9) for t, l in zip(timings, lat))
+            "output_throughput_per_user_tok_s": sum(t.output_tokens / max(lt, 1e-9) for t, lt in zip(timings, lat, strict=True))
             / len(timings),
             "request_latency_percentiles_ms": _ms(percentiles(lat)),
         },

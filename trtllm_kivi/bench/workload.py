@@ -51,7 +51,7 @@ def run_workload(runner: Runner, requests: list[BenchRequest], mode: str, max_nu
     limit = 1 if mode == "latency" else concurrency
     done = _drive(sched, requests, limit, on_token if streaming else None)
     timings, outputs = [], {}
-    for br, req in zip(requests, done):
+    for br, req in zip(requests, done, strict=False):
         if req.finish_reason != "length" or len(req.tokens) != br.output_tokens:
             raise RuntimeError(f"task {br.task_id}: finished with {req.finish_reason!r} after {len(req.tokens)} of "
                                f"{br.output_tokens} tokens ({req.error})")

@@ -110,7 +110,7 @@ def _check(model, graph, info, prompts, decode_steps, progress, threads) -> Chec
     d_prefill = float((a - b).abs().max())
     scale = float(b.abs().max())
     d_decode, same = 0.0, int((a.argmax(-1) == b.argmax(-1)).all())
-    for i in range(decode_steps):
+    for _i in range(decode_steps):
         nxt = [[int(t)] for t in b.argmax(-1)]
         a, b = ort.step(slots, nxt), torch_runner.step(slots, nxt)
         d_decode = max(d_decode, float((a - b).abs().max()))

@@ -169,7 +169,7 @@ def _bench(args: argparse.Namespace) -> int:
     runners = list(_runners(args, max_seq_len))
     results: list[list] = [[] for _ in runners]
     for rep in range(args.repeats):  # round robin over the KV specs: machine-load drift hits all of them alike
-        for i, (name, desc, runner) in enumerate(runners):
+        for i, (_name, desc, runner) in enumerate(runners):
             print(f"=== {mode} [{rep + 1}/{args.repeats}]: {desc}; {runner.name} runner, {runner.max_slots} slots x "
                   f"{runner.max_seq_len} tokens", flush=True)
             t = time.perf_counter()

@@ -22,12 +22,13 @@ LIB_ENV = "TRTLLM_KIVI_KERNELS_LIB"
 DTYPE_CODES = {n: i for i, n in enumerate(DTYPE_NAMES)}  # format.dtype_code
 ERR_LENGTH, ERR_CAPACITY, ERR_SLOT, ERR_BLOCK_ID = 1, 2, 4, 8
 PHASE_ATTENTION, PHASE_APPEND, PHASE_STEP = 1, 2, 3
-ATTN_AUTO, ATTN_SIMT, ATTN_TENSOR_CORE = 0, 1, 2  # KiviAttentionImpl
+ATTN_AUTO, ATTN_SIMT, ATTN_TENSOR_CORE, ATTN_MMA = 0, 1, 2, 3  # KiviAttentionImpl (1, 2: legacy, refused)
 KEY_TILE = 32
 MAX_TILE_ROWS = 16
 MIN_SPLIT_LEN = 256
 DEFAULT_NUM_SMS = 132
-CTAS_PER_SM = 4
+MMA_CTAS_PER_SM = 3  # kMMA_CTAS_PER_SM: the occupancy the split is sized for when the caller passes none
+TILE_ROWS = 8  # kTILE_ROWS: query rows per attention CTA (the MMA's N)
 SEQ_INFO_INTS = 8
 CUDA_ERROR_INVALID_VALUE = 1
 
@@ -39,14 +40,15 @@ _PTR_FIELDS = ("q", "k", "v", "out", "slotIds", "pastLen", "chunkLen", "blockTab
 
 PLAN_FIELDS = ("window_capacity", "max_seq_len", "max_chunk_len", "group_heads", "tile_tokens", "num_tiles",
                "split_len", "num_splits", "flush_groups_per_seq", "seq_info_bytes", "partial_bytes",
-               "workspace_size")
+               "workspace_size", "tile_rows", "ctas_per_sm")
 
 
 class KiviStepParams(ctypes.Structure):
     """Mirror of trtllm_kivi::kernels::KiviStepParams (same field order; kiviCParamsSize checks the size)."""
 
     _fields_ = ([(n, ctypes.c_int32) for n in _INT_FIELDS] + [(n, ctypes.c_void_p) for n in _PTR_FIELDS]
-                + [("workspaceSize", ctypes.c_size_t), ("attentionImpl", ctypes.c_int32)])
+                + [("workspaceSize", ctypes.c_size_t), ("attentionImpl", ctypes.c_int32),
+                   ("ctasPerSm", ctypes.c_int32)])
 
 
 class KiviLibrary:
@@ -75,6 +77,8 @@ class KiviLibrary:
                 fn = getattr(lib, name)
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
                 fn.restype = ctypes.c_int32
+            lib.kiviCAttentionCtasPerSm.argtypes = [ctypes.c_void_p]
+            lib.kiviCAttentionCtasPerSm.restype = ctypes.c_int32
         size = lib.kiviCParamsSize()
         if size != ctypes.sizeof(KiviStepParams):
             raise RuntimeError(f"{self.path}: KiviStepParams is {size} bytes in the library but "
@@ -98,6 +102,12 @@ class KiviLibrary:
 
     def workspace_size(self, params: KiviStepParams) -> int:
         return int(self.lib.kiviCWorkspaceSize(ctypes.byref(params)))
+
+    def attention_ctas_per_sm(self, params: KiviStepParams) -> int:
+        """Resident CTAs per SM of the default attention kernel for these params on the current device (-1: error)."""
+        if not self.has_launchers:
+            raise RuntimeError(f"{self.path} is a host-only build without the CUDA launchers")
+        return int(self.lib.kiviCAttentionCtasPerSm(ctypes.byref(params)))
 
     def workspace_size_for_profile(self, max_params: KiviStepParams, min_tokens: int, min_batch: int,
                                    min_blocks_per_seq: int) -> int:

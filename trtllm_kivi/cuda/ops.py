@@ -20,7 +20,7 @@ def make_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
                 slot_ids: torch.Tensor, past_len: torch.Tensor, chunk_len: torch.Tensor, block_table: torch.Tensor,
                 buffers: KiviBuffers, cfg: KiviConfig, *, max_chunk_len: int = 0, max_seq_len: int = 0,
                 num_sms: int = 0, error_flag: torch.Tensor | None = None,
-                attention_impl: int = _abi.ATTN_AUTO) -> KiviStepParams:
+                attention_impl: int = _abi.ATTN_AUTO, ctas_per_sm: int = 0) -> KiviStepParams:
     """Fill KiviStepParams from tensors (shapes and data pointers only; nothing is read, so CPU tensors work for
     validation tests). workspace is left empty: see `run_step`."""
     tokens, h, d = q.shape
@@ -42,6 +42,7 @@ def make_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     (p.kCodes, p.kScale, p.kZero, p.vCodes, p.vScale, p.vZero, p.kWindow, p.vWindow) = (ptr(t) for t in buffers)
     p.errorFlag = ptr(error_flag)
     p.attentionImpl = attention_impl
+    p.ctasPerSm = ctas_per_sm
     return p
 
 
@@ -91,7 +92,8 @@ def kivi_attention_cuda_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot
     runs the reference's shape checks (host sync on the lengths); a runner that validated the step passes False.
     error_flag: optional int32 [1] CUDA tensor the kernels OR KiviErrorBits into. out: optional preallocated
     [tokens, H, D] output. phase: _abi.PHASE_STEP (attend, then append), PHASE_ATTENTION or PHASE_APPEND only.
-    attention_impl: _abi.ATTN_AUTO (SIMT for now), ATTN_SIMT or ATTN_TENSOR_CORE (experimental, sm_80+)."""
+    attention_impl: _abi.ATTN_AUTO or ATTN_MMA (the mma.sync kernel, sm_80+; the legacy SIMT/WMMA kernels are
+    refused). The split is sized from the kernel's real occupancy on this device (kiviCAttentionCtasPerSm)."""
     lib = lib or _abi.load_library()
     if check:
         _check_tensors(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers, cfg)
@@ -105,5 +107,19 @@ def kivi_attention_cuda_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot
                          max_chunk_len=max_chunk_len, max_seq_len=max_seq_len,
                          num_sms=props.multi_processor_count, error_flag=error_flag,
                          attention_impl=attention_impl)
+    params.ctasPerSm = _ctas_per_sm(lib, params, q.device)
     run_step(lib, params, q.device, phase)
     return out
+
+
+_OCCUPANCY: dict[tuple, int] = {}
+
+
+def _ctas_per_sm(lib: KiviLibrary, params: KiviStepParams, device: torch.device) -> int:
+    """Occupancy of the attention kernel for (device, head_dim, dtypes, bits, G), cached; 0 (the default) on error."""
+    key = (str(device), params.headDim, params.actDtype, params.scaleDtype, params.kBits, params.vBits,
+           params.groupSize)
+    if key not in _OCCUPANCY:
+        with torch.cuda.device(device):
+            _OCCUPANCY[key] = max(lib.attention_ctas_per_sm(params), 0)
+    return _OCCUPANCY[key]

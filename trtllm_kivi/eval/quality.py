@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ..format import KiviConfig
+from ..models.llama import LlamaModel
 from ..runtime.base import Runner
 from .metrics import kl_from_log_probs, log_probs, nll_from_log_probs, perplexity, relative_error
 from .scoring import chunk_plan, record_attention_outputs
@@ -70,7 +71,7 @@ def _bin(x: torch.Tensor, width: int) -> list:
     return torch.stack([x[..., a:a + width].mean(-1) for a in range(0, n, width)], dim=-1).tolist()
 
 
-def evaluate_quality(model: torch.nn.Module, runners: dict[str, Runner], kivi: dict[str, KiviConfig | None],
+def evaluate_quality(model: LlamaModel, runners: dict[str, Runner], kivi: dict[str, KiviConfig | None],
                      token_ids: Sequence[int], setup: QualitySetup, reference: str = "fp16",
                      record_layers: bool = True, progress: Callable[[int], None] | None = None,
                      on_batch: Callable[[dict], None] | None = None) -> dict:
@@ -93,11 +94,11 @@ def evaluate_quality(model: torch.nn.Module, runners: dict[str, Runner], kivi: d
     plan = chunk_plan(setup.prefix, setup.segment_len - 1, cfgs, setup.max_chunk)
     order = [reference] + [n for n in runners if n != reference]
     n_seg, n_pos, p0 = setup.segments, setup.scored_per_segment, setup.prefix
-    n_layers = len(model.layers) if record_layers else 0
-    f64 = dict(dtype=torch.float64)
-    res = {n: {"nll": torch.zeros(n_seg, n_pos, **f64), "kl": torch.zeros(n_seg, n_pos, **f64),
-               "top1": torch.zeros(n_seg, n_pos, dtype=torch.bool), "logit_err": torch.zeros(n_seg, n_pos, **f64),
-               "attn_err": torch.zeros(n_seg, n_layers, n_pos, **f64)} for n in order}
+    n_layers = model.cfg.n_layers if record_layers else 0
+    f64 = torch.float64
+    res = {n: {"nll": torch.zeros(n_seg, n_pos, dtype=f64), "kl": torch.zeros(n_seg, n_pos, dtype=f64),
+               "top1": torch.zeros(n_seg, n_pos, dtype=torch.bool), "logit_err": torch.zeros(n_seg, n_pos, dtype=f64),
+               "attn_err": torch.zeros(n_seg, n_layers, n_pos, dtype=f64)} for n in order}
     segs = [list(token_ids[setup.offset + i * setup.segment_len:setup.offset + (i + 1) * setup.segment_len])
             for i in range(n_seg)]
     ctx = record_attention_outputs(model) if record_layers else nullcontext(None)
@@ -122,14 +123,14 @@ def evaluate_quality(model: torch.nn.Module, runners: dict[str, Runner], kivi: d
                         out = runners[n].step(slots[n], chunk, all_logits=True)
                         attn = rec.take()
                         lp = log_probs(out)
-                        r = res[n]
-                        r["nll"][batch, i:j] = nll_from_log_probs(lp, targets).view(len(batch), c)
-                        r["kl"][batch, i:j] = kl_from_log_probs(ref_lp, lp).view(len(batch), c)
-                        r["top1"][batch, i:j] = (out.argmax(-1) == ref_top).view(len(batch), c)
-                        r["logit_err"][batch, i:j] = relative_error(ref, out).view(len(batch), c)
-                        if record_layers:  # [layers, B * c] -> [B, layers, c]
+                        rn = res[n]
+                        rn["nll"][batch, i:j] = nll_from_log_probs(lp, targets).view(len(batch), c)
+                        rn["kl"][batch, i:j] = kl_from_log_probs(ref_lp, lp).view(len(batch), c)
+                        rn["top1"][batch, i:j] = (out.argmax(-1) == ref_top).view(len(batch), c)
+                        rn["logit_err"][batch, i:j] = relative_error(ref, out).view(len(batch), c)
+                        if record_layers and ref_attn is not None and attn is not None:  # [layers, B*c] -> [B, layers, c]
                             err = relative_error(ref_attn, attn).view(n_layers, len(batch), c)
-                            r["attn_err"][batch, :, i:j] = err.permute(1, 0, 2)
+                            rn["attn_err"][batch, :, i:j] = err.permute(1, 0, 2)
                     if progress:
                         progress(c * len(batch))
             finally:
@@ -153,7 +154,8 @@ def _summarize(res: dict[str, dict[str, torch.Tensor]], order: list[str], refere
     for name in order:
         r = res[name]
         nlls = r["nll"].reshape(-1)
-        row = {"kv": name, "kivi": kivi[name].to_dict() if kivi.get(name) else None,
+        cfg = kivi.get(name)
+        row: dict = {"kv": name, "kivi": cfg.to_dict() if cfg is not None else None,
                "scored_tokens": int(nlls.numel()), "ppl": perplexity(nlls), "nll": float(nlls.mean())}
         row["ppl_delta_vs_ref"] = row["ppl"] - ref_ppl
         if name != reference:

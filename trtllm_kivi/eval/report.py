@@ -33,7 +33,7 @@ def growth_table(result: dict, edges: tuple[int, ...] = (160, 512, 1024, 1536)) 
     q = result["quality"]
     end = q["setup"]["segment_len"] - 1
     cuts = [q["setup"]["prefix"], *[e for e in edges if q["setup"]["prefix"] < e < end], end]
-    ranges = list(zip(cuts, cuts[1:]))
+    ranges = list(zip(cuts, cuts[1:], strict=False))
     head = " | ".join(f"[{a}, {b})" for a, b in ranges)
     lines = [f"| KV cache | metric | {head} |", "|---|---|" + "---:|" * len(ranges)]
     for name, g in q["error_growth"].items():
@@ -43,7 +43,7 @@ def growth_table(result: dict, edges: tuple[int, ...] = (160, 512, 1024, 1536)) 
                 continue
             vals = []
             for a, b in ranges:
-                v = [y for p, y in zip(g["bin_start_positions"], g[key]) if a <= p < b]
+                v = [y for p, y in zip(g["bin_start_positions"], g[key], strict=False) if a <= p < b]
                 vals.append(f"{sum(v) / len(v):.4f}" if v else "—")
             lines.append(f"| {name} | {label} | " + " | ".join(vals) + " |")
     return "\n".join(lines) + "\n"
@@ -80,7 +80,7 @@ def plot_error_growth(result: dict, path: str | Path, residual_length: int | Non
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
     panels = [("logit_rel_err", "final logits: relative L2 error"), ("kl", "KL(ref ‖ cfg) of next-token dist."),
               ("attn_rel_err_mean_over_layers", "attention output: relative L2 error (mean over layers)")]
-    for ax, (key, title) in zip(axes.flat, panels):
+    for ax, (key, title) in zip(axes.flat, panels, strict=False):
         for name, g in growth.items():
             if key in g:
                 ax.plot(g["bin_start_positions"], g[key], label=name)
@@ -151,5 +151,5 @@ def merge_results(*results: dict) -> dict:
     for r in results:
         out |= {k: v for k, v in r.items() if k != "seconds"}
     out["seconds"] = {k: r.get("seconds") for r, k in zip(results, [
-        "+".join(t for t in ("quality", "passkey") if t in r) for r in results])}
+        "+".join(t for t in ("quality", "passkey") if t in r) for r in results], strict=False)}
     return out

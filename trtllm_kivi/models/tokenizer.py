@@ -71,7 +71,7 @@ class Tokenizer:
     # ------------------------------------------------------------------------------------------- sources
 
     @classmethod
-    def from_hf_folder(cls, folder: str | Path, eos_ids: tuple[int, ...] = ()) -> "Tokenizer":
+    def from_hf_folder(cls, folder: str | Path, eos_ids: tuple[int, ...] = ()) -> Tokenizer:
         """tokenizer.json (+ tokenizer_config.json / chat_template.jinja) of a Hugging Face checkpoint folder. BOS
         comes from tokenizer.json's post-processor, or is added when tokenizer_config.json sets add_bos_token."""
         folder = Path(folder)
@@ -101,7 +101,7 @@ class Tokenizer:
         return cls(tok, bos, eos_all, template, add_bos=bool(conf.get("add_bos_token", False)))
 
     @classmethod
-    def from_gguf_fields(cls, fields: dict) -> "Tokenizer":
+    def from_gguf_fields(cls, fields: dict) -> Tokenizer:
         """Build from GGUF metadata (tokenizer.ggml.*): a byte-level BPE over tokens/merges, with control tokens
         as special tokens and the pre-tokenizer named by tokenizer.ggml.pre."""
         kind = fields.get("tokenizer.ggml.model")
@@ -131,9 +131,9 @@ class Tokenizer:
             tok.pre_tokenizer = byte_level
         tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, ty in zip(tokens, types) if ty == _CONTROL])
+                                for t, ty in zip(tokens, types, strict=False) if ty == _CONTROL])
         tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+                        for t, ty in zip(tokens, types, strict=False) if ty == _USER_DEFINED])
         eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in fields]
         return cls(tok, fields.get("tokenizer.ggml.bos_token_id"), tuple(dict.fromkeys(eos)),
                    fields.get("tokenizer.chat_template"), add_bos=bool(fields.get("tokenizer.ggml.add_bos_token")))

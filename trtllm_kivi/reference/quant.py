@@ -4,13 +4,16 @@ Per group: mn = min, mx = max (fp32); scale = (mx - mn) / (2^b - 1); both are ca
 *stored* values are what the codes are computed from:
     q = clamp(round_half_even((x - zero) / scale), 0, 2^b - 1),     dequant = q * scale + zero  (fp32, then cast)
 A group whose stored scale is 0 stores q = 0 (dequantizes to exactly the stored zero, never NaN).
+Two word orders (format.py): LINEAR (pack/unpack along one axis) and FRAGMENT (pack_fragments/unpack_fragments,
+the mma.sync A-operand register order of 16-token tiles).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..format import canonical_dtype, codes_per_word
+from ..format import (FRAGMENT_LANES, MMA_TILE_TOKENS, canonical_dtype, codes_per_word, fragment_coord,
+                      fragment_words_per_lane)
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -91,3 +94,59 @@ def unpack(words: torch.Tensor, bits: int, n: int, dim: int = -1) -> torch.Tenso
     c = c.reshape(*c.shape[:-2], -1)[..., :n]
     return c.to(torch.int32).movedim(-1, dim)
 
+
+
+# ---------------------------------------------------------------------------------------------- fragment order
+
+
+def _fragment_index(kind: str, head_dim: int, bits: int) -> torch.Tensor:
+    """[32, nw, 2, 16 // bits] -> flat (token * head_dim + channel) index within a 16-token tile (format.py)."""
+    key = (kind, head_dim, bits)
+    if key not in _FRAGMENT_INDEX:
+        nw, per_half = fragment_words_per_lane(head_dim, bits), 16 // bits
+        idx = torch.empty(FRAGMENT_LANES, nw, 2, per_half, dtype=torch.int64)
+        for lane in range(FRAGMENT_LANES):
+            for j in range(nw):
+                for half in range(2):
+                    for pos in range(per_half):
+                        tok, ch = fragment_coord(kind, lane, j, half, pos, bits)
+                        idx[lane, j, half, pos] = tok * head_dim + ch
+        _FRAGMENT_INDEX[key] = idx
+    return _FRAGMENT_INDEX[key]
+
+
+_FRAGMENT_INDEX: dict[tuple[str, int, int], torch.Tensor] = {}
+
+
+def pack_fragments(codes: torch.Tensor, bits: int, kind: str) -> torch.Tensor:
+    """codes [..., n, D] in [0, 2^b) (n a multiple of 16) -> words [..., n * D * bits / 32] int32 in FRAGMENT order
+    (format.py): tile tau, lane L, word j holds at bits [16 h + p * b, ...) the code fragment_coord(kind, L, j, h, p)."""
+    *lead, n, d = codes.shape
+    if n % MMA_TILE_TOKENS != 0:
+        raise ValueError(f"{n} tokens is not a multiple of the {MMA_TILE_TOKENS}-token fragment tile")
+    idx = _fragment_index(kind, d, bits)  # [32, nw, 2, per_half]
+    tiles = codes.reshape(*lead, n // MMA_TILE_TOKENS, MMA_TILE_TOKENS * d).to(torch.int64)
+    c = tiles[..., idx.reshape(-1)].reshape(*tiles.shape[:-1], *idx.shape)  # [..., tiles, 32, nw, 2, per_half]
+    shifts = torch.arange(idx.shape[-1], dtype=torch.int64) * bits
+    halves = (c << shifts).sum(dim=-1)  # [..., tiles, 32, nw, 2] in [0, 2^16)
+    words = halves[..., 0] | (halves[..., 1] << 16)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)  # reinterpret as int32
+    return words.reshape(*lead, -1).to(torch.int32)
+
+
+def unpack_fragments(words: torch.Tensor, bits: int, kind: str, n: int, head_dim: int) -> torch.Tensor:
+    """Inverse of pack_fragments: the first n tokens (a multiple of 16) of words [..., >= n * D * bits / 32]
+    -> codes [..., n, D] int32."""
+    if n % MMA_TILE_TOKENS != 0:
+        raise ValueError(f"{n} tokens is not a multiple of the {MMA_TILE_TOKENS}-token fragment tile")
+    idx = _fragment_index(kind, head_dim, bits)
+    per_tile = idx.shape[0] * idx.shape[1]  # 32 * nw words
+    lead = words.shape[:-1]
+    w = words[..., : n // MMA_TILE_TOKENS * per_tile].to(torch.int64) & 0xFFFFFFFF
+    w = w.reshape(*lead, n // MMA_TILE_TOKENS, *idx.shape[:2], 1, 1)  # [..., tiles, 32, nw, 1, 1]
+    half_shift = torch.tensor([0, 16], dtype=torch.int64).reshape(2, 1)
+    pos_shift = torch.arange(idx.shape[-1], dtype=torch.int64) * bits
+    c = (w >> (half_shift + pos_shift)) & ((1 << bits) - 1)  # [..., tiles, 32, nw, 2, per_half]
+    out = torch.empty(*lead, n // MMA_TILE_TOKENS, MMA_TILE_TOKENS * head_dim, dtype=torch.int64)
+    out[..., idx.reshape(-1)] = c.reshape(*c.shape[:-4], -1)
+    return out.reshape(*lead, n, head_dim).to(torch.int32)

@@ -46,7 +46,7 @@ class TorchRunner(CacheRunner):
         step = self.cache.begin_step(slots, chunk)  # validates capacity; nothing changes on error
         dev = self.model.device
         ids = torch.tensor(flat, dtype=torch.long, device=dev)  # [T]
-        positions = torch.cat([torch.arange(s, s + c) for s, c in zip(step.past, chunk)]).to(dev)  # [T]
+        positions = torch.cat([torch.arange(s, s + c) for s, c in zip(step.past, chunk, strict=False)]).to(dev)  # [T]
         rows = None if all_logits else torch.tensor(chunk, device=dev).cumsum(0) - 1  # each chunk's last token
         with torch.inference_mode():
             logits = self.model(ids, positions, self.cache, step, rows)  # fp32 [T or B, vocab]

@@ -61,7 +61,7 @@ class TrtRunner(CacheRunner):
         # The plugin updates the cache in place: every present.* must be aliased to its past.* (the plugin refuses
         # separate buffers rather than copying every pool each step).
         get_alias = getattr(self.engine, "get_aliased_input_tensor", lambda name: None)
-        unaliased = [pr for layer in range(info.geometry.num_layers) for pa, pr in zip(*cache_io_names(layer))
+        unaliased = [pr for layer in range(info.geometry.num_layers) for pa, pr in zip(*cache_io_names(layer), strict=False)
                      if get_alias(pr) != pa]
         if unaliased:
             raise ValueError(f"{folder.path}: the engine's cache outputs are not aliased to their inputs "
@@ -98,7 +98,7 @@ class TrtRunner(CacheRunner):
             self._bind(name, t, input_shape=True)
         for layer, bufs in enumerate(self.cache.layers):
             past, present = cache_io_names(layer)
-            for pa, pr, t in zip(past, present, bufs):
+            for pa, pr, t in zip(past, present, bufs, strict=False):
                 self._bind(pa, t, input_shape=True)
                 self._bind(pr, t)  # aliased: updated in place
             self._bind(status_name(layer), self._status[layer])

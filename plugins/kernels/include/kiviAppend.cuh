@@ -2,7 +2,9 @@
  * KIVI append (quantize-and-store), header-only: the second half of a step (attend, then append), as
  * trtllm_kivi/reference/attention.py `append`:
  *   1. kiviFlushKernel: quantize tokens [n_q(s), n_q(e)) in whole G-token groups, taken from the window (t < s) or
- *      the chunk (t >= s); K per channel (codes packed along tokens), V per token (packed along channels).
+ *      the chunk (t >= s); K per channel, V per token (IEEE fp32 division via fp64: ieeeDiv); codes in FRAGMENT
+ *      order (trtllm_kivi/format.py):
+ *      first the scales/zeros of the group (into the store and shared memory), then one thread per output word.
  *   2. kiviWindowKernel: write the window rows of tokens [max(s, e - W), e) at row t % W.
  * Two launches because a flush reads window rows that step 2 may overwrite (stream order separates them).
  * Grid of the flush: (batch, flushGroupsPerSeq, Hkv); each CTA strides over its sequence's groups.
@@ -28,9 +30,36 @@ __device__ __forceinline__ float loadHistoryOrChunk(T const* window, T const* ch
     return ActTraits<T>::toFloat(chunk[((tokenOffset + (t - s)) * int64_t(numKvHeads) + h) * kD + d]);
 }
 
+//! (token within the 16-token tile, channel) of the code at bit position `pos` of half `half` of word j of `lane`
+//! (format.py fragment_coord): pair pi = j * (16 / bits) + pos, register r = pi % 4, block i = pi / 4.
+__device__ __forceinline__ void fragmentCoord(bool values, int32_t lane, int32_t j, int32_t half, int32_t pos,
+    int32_t bits, int32_t& tok, int32_t& ch)
+{
+    int32_t const g = lane >> 2;
+    int32_t const t = lane & 3;
+    int32_t const pi = j * (16 / bits) + pos;
+    int32_t const r = pi % 4;
+    int32_t const i = pi / 4;
+    if (values)
+    {
+        tok = 8 * (r >> 1) + 2 * t + half;
+        ch = 16 * i + g + 8 * (r & 1);
+    }
+    else
+    {
+        tok = g + 8 * (r & 1);
+        ch = 16 * i + 8 * (r >> 1) + 2 * t + half;
+    }
+}
+
 template <typename T, int kD>
 __global__ void __launch_bounds__(128) kiviFlushKernel(KiviStepParams p, SeqInfo const* seqInfo)
 {
+    // stored scale/zero of the group as fp32: K [D] per channel, V [G][D / Gv] per token (G <= 128, Gv >= 32)
+    __shared__ float kScaleS[kD];
+    __shared__ float kZeroS[kD];
+    __shared__ float vScaleS[128 * (kD / 32)];
+    __shared__ float vZeroS[128 * (kD / 32)];
     int32_t const b = blockIdx.x;
     int32_t const h = blockIdx.z;
     SeqInfo const info = seqInfo[b];
@@ -55,9 +84,8 @@ __global__ void __launch_bounds__(128) kiviFlushKernel(KiviStepParams p, SeqInfo
     int32_t* vCodes = static_cast<int32_t*>(p.vCodes);
     float const kLevels = float((1 << p.kBits) - 1);
     float const vLevels = float((1 << p.vBits) - 1);
-    int32_t const kpw = kWORD_BITS / p.kBits;
-    int32_t const vpw = kWORD_BITS / p.vBits;
     int32_t const gv = valueGroupSizeDev(g, kD);
+    int32_t const groupsPerToken = kD / gv;
 
     for (int64_t grp = blockIdx.y; q0 + grp * g < q1; grp += gridDim.y)
     {
@@ -65,8 +93,9 @@ __global__ void __launch_bounds__(128) kiviFlushKernel(KiviStepParams p, SeqInfo
         int64_t const blk = p.blockTable[int64_t(b) * p.maxBlocksPerSeq + t0 / bs];
         int32_t const r = static_cast<int32_t>(t0 % bs);
         int64_t const headBase = blk * hkv + h;
+        __syncthreads(); // the previous group's scales are no longer read
 
-        // Keys, per channel: one thread per channel d (coalesced over d), G tokens each.
+        // 1. Scales/zeros. Keys, per channel: one thread per channel d, G tokens each.
         for (int32_t d = threadIdx.x; d < kD; d += blockDim.x)
         {
             float mn = INFINITY;
@@ -78,23 +107,10 @@ __global__ void __launch_bounds__(128) kiviFlushKernel(KiviStepParams p, SeqInfo
                 mx = nanMax(mx, x);
             }
             int64_t const sIdx = (headBase * (bs / g) + r / g) * kD + d;
-            float const scale = storeScale(p.kScale, sIdx, p.scaleDtype, __fdiv_rn(__fsub_rn(mx, mn), kLevels));
-            float const zero = storeScale(p.kZero, sIdx, p.scaleDtype, mn);
-            for (int32_t wi = 0; wi < g / kpw; ++wi)
-            {
-                uint32_t word = 0;
-                for (int32_t j = 0; j < kpw; ++j)
-                {
-                    float const x = loadHistoryOrChunk<T, kD>(
-                        kWin, kIn, slot, h, hkv, w, t0 + wi * kpw + j, s, info.tokenOffset, d);
-                    word |= quantizeCode(x, scale, zero, kLevels) << (j * p.kBits);
-                }
-                kCodes[(headBase * (bs / kpw) + r / kpw + wi) * kD + d] = static_cast<int32_t>(word);
-            }
+            kScaleS[d] = storeScale(p.kScale, sIdx, p.scaleDtype, ieeeDiv(__fsub_rn(mx, mn), kLevels));
+            kZeroS[d] = storeScale(p.kZero, sIdx, p.scaleDtype, mn);
         }
-
         // Values, per token: one thread per (token, channel group).
-        int32_t const groupsPerToken = kD / gv;
         for (int32_t u = threadIdx.x; u < g * groupsPerToken; u += blockDim.x)
         {
             int32_t const i = u / groupsPerToken;
@@ -108,22 +124,55 @@ __global__ void __launch_bounds__(128) kiviFlushKernel(KiviStepParams p, SeqInfo
                 mn = nanMin(mn, x);
                 mx = nanMax(mx, x);
             }
-            int64_t const row = headBase * bs + r + i;
-            int64_t const sIdx = row * groupsPerToken + cg;
-            float const scale = storeScale(p.vScale, sIdx, p.scaleDtype, __fdiv_rn(__fsub_rn(mx, mn), vLevels));
-            float const zero = storeScale(p.vZero, sIdx, p.scaleDtype, mn);
-            for (int32_t wi = 0; wi < gv / vpw; ++wi)
+            int64_t const sIdx = (headBase * bs + r + i) * groupsPerToken + cg;
+            vScaleS[u] = storeScale(p.vScale, sIdx, p.scaleDtype, ieeeDiv(__fsub_rn(mx, mn), vLevels));
+            vZeroS[u] = storeScale(p.vZero, sIdx, p.scaleDtype, mn);
+        }
+        __syncthreads();
+
+        // 2. Codes, one thread per FRAGMENT-order word of the group's G / 16 tiles (a contiguous word range).
+        int32_t const nwk = kD * p.kBits / 64;
+        int32_t const nwv = kD * p.vBits / 64;
+        int32_t const kWords = (g / 16) * 32 * nwk;
+        int32_t const vWords = (g / 16) * 32 * nwv;
+        for (int32_t u = threadIdx.x; u < kWords + vWords; u += blockDim.x)
+        {
+            bool const values = u >= kWords;
+            int32_t const wi = values ? u - kWords : u;
+            int32_t const bits = values ? p.vBits : p.kBits;
+            int32_t const nw = values ? nwv : nwk;
+            int32_t const tile = wi / (32 * nw);
+            int32_t const lane = (wi / nw) % 32;
+            int32_t const j = wi % nw;
+            uint32_t word = 0;
+            for (int32_t half = 0; half < 2; ++half)
             {
-                uint32_t word = 0;
-                for (int32_t j = 0; j < vpw; ++j)
+                for (int32_t pos = 0; pos < 16 / bits; ++pos)
                 {
-                    int32_t const c = cg * gv + wi * vpw + j;
-                    float const x
-                        = loadHistoryOrChunk<T, kD>(vWin, vIn, slot, h, hkv, w, t0 + i, s, info.tokenOffset, c);
-                    word |= quantizeCode(x, scale, zero, vLevels) << (j * p.vBits);
+                    int32_t tok = 0;
+                    int32_t ch = 0;
+                    fragmentCoord(values, lane, j, half, pos, bits, tok, ch);
+                    int32_t const i = 16 * tile + tok; // token within the group
+                    uint32_t code = 0;
+                    if (values)
+                    {
+                        float const x = loadHistoryOrChunk<T, kD>(
+                            vWin, vIn, slot, h, hkv, w, t0 + i, s, info.tokenOffset, ch);
+                        int32_t const si = i * groupsPerToken + ch / gv;
+                        code = quantizeCode(x, vScaleS[si], vZeroS[si], vLevels);
+                    }
+                    else
+                    {
+                        float const x = loadHistoryOrChunk<T, kD>(
+                            kWin, kIn, slot, h, hkv, w, t0 + i, s, info.tokenOffset, ch);
+                        code = quantizeCode(x, kScaleS[ch], kZeroS[ch], kLevels);
+                    }
+                    word |= code << (16 * half + pos * bits);
                 }
-                vCodes[row * (kD / vpw) + (cg * gv) / vpw + wi] = static_cast<int32_t>(word);
             }
+            // words of (block, head) start at headBase * BS * D * bits / 32; the group's tiles at r / 16
+            int64_t const base = headBase * (int64_t(bs) * kD * bits / 32) + int64_t(r / 16) * 32 * nw;
+            (values ? vCodes : kCodes)[base + wi] = static_cast<int32_t>(word);
         }
     }
 }

@@ -20,7 +20,7 @@ int32_t kiviCFormatVersion(void);
 //! 0 when params (a KiviStepParams*) are valid for `phase` (1 attention, 2 append, 3 step); else -1 + message.
 int32_t kiviCValidate(void const* params, int32_t phase);
 //! Launch plan fields as int64 [windowCapacity, maxSeqLen, maxChunkLen, groupHeads, tileTokens, numTiles, splitLen,
-//! numSplits, flushGroupsPerSeq, seqInfoBytes, partialBytes, workspaceSize] into out[12].
+//! numSplits, flushGroupsPerSeq, seqInfoBytes, partialBytes, workspaceSize, tileRows, ctasPerSm] into out[14].
 int32_t kiviCLaunchPlan(void const* params, int64_t* out);
 size_t kiviCWorkspaceSize(void const* params);
 //! Workspace bytes serving every step of a profile (kiviWorkspaceSizeForProfile): maxParams at the profile max.
@@ -31,6 +31,9 @@ int32_t kiviCCheckArch(void const* params, int32_t smVersion);
 char const* kiviCLastErrorMessage(void);
 
 //! Launchers (need the CUDA library, not the host-only one).
+//! Resident CTAs per SM of the default attention kernel for these params on the current device (an occupancy query,
+//! no launch): pass it as KiviStepParams::ctasPerSm so the split fills whole waves. -1 on error.
+int32_t kiviCAttentionCtasPerSm(void const* params);
 int32_t kiviCStep(void const* params, void* stream);
 int32_t kiviCAttention(void const* params, void* stream);
 int32_t kiviCAppend(void const* params, void* stream);

@@ -92,6 +92,13 @@ __device__ __forceinline__ float storeScale(void* ptr, int64_t idx, int32_t dtyp
     return x;
 }
 
+//! IEEE fp32 division without the fp32 slow-path subroutine call (whose register saves count as spills): the
+//! quotient rounded once in fp64 then to fp32 is the correctly rounded fp32 quotient (53 >= 2 x 24 + 2 bits).
+__device__ __forceinline__ float ieeeDiv(float a, float b)
+{
+    return __double2float_rn(__ddiv_rn(double(a), double(b)));
+}
+
 //! min/max that propagate NaN like torch.amin/amax (fminf/fmaxf would drop it).
 __device__ __forceinline__ float nanMin(float a, float x)
 {
@@ -111,7 +118,7 @@ __device__ __forceinline__ uint32_t quantizeCode(float x, float scale, float zer
     {
         return 0U;
     }
-    float const q = rintf(__fdiv_rn(__fsub_rn(x, zero), scale));
+    float const q = rintf(ieeeDiv(__fsub_rn(x, zero), scale));
     return static_cast<uint32_t>(fminf(fmaxf(q, 0.F), levels));
 }
 

@@ -24,5 +24,10 @@ cudaError_t invokeKiviStep(KiviStepParams const& params, cudaStream_t stream);
 cudaError_t invokeKiviAttention(KiviStepParams const& params, cudaStream_t stream);
 cudaError_t invokeKiviAppend(KiviStepParams const& params, cudaStream_t stream);
 
+//! Resident CTAs per SM of the default attention kernel chosen by (headDim, actDtype, kBits, vBits, scaleDtype,
+//! groupSize) on the current device: pass it as params.ctasPerSm (and to kiviWorkspaceSize) so the split fills whole
+//! waves. -1 for unsupported values or a failed query.
+int32_t kiviAttentionCtasPerSm(KiviStepParams const& params);
+
 } // namespace kernels
 } // namespace trtllm_kivi

@@ -8,6 +8,7 @@
 #include "kiviAppend.cuh"
 #include "kiviAttention.cuh"
 #include "kiviAttentionTc.cuh"
+#include "kiviDecodeMma.cuh"
 
 #include <cuda_runtime_api.h>
 
@@ -16,9 +17,90 @@ namespace trtllm_kivi
 namespace kernels
 {
 
+//! The default attention kernel for (T, D) and run-time bits, with its dynamic shared memory (opted in above 48 KB).
+template <typename T, int kD, int kKB, int kVB>
+cudaError_t mmaKernelFor(KiviStepParams const& p, void const** fn, int32_t* smemBytes)
+{
+    *fn = reinterpret_cast<void const*>(&kiviDecodeMmaKernel<T, kD, kKB, kVB>);
+    *smemBytes = mmaSmemBytes<kD, kKB, kVB>(p.scaleDtype == kKIVI_FLOAT32 ? 4 : 2, p.groupSize);
+    if (*smemBytes > 48 * 1024)
+    {
+        return cudaFuncSetAttribute(*fn, cudaFuncAttributeMaxDynamicSharedMemorySize, *smemBytes);
+    }
+    return cudaSuccess;
+}
+
+template <typename T, int kD>
+cudaError_t selectMmaKernel(KiviStepParams const& p, void const** fn, int32_t* smemBytes)
+{
+#define KIVI_MMA_CASE(KB, VB)                                                                                          \
+    if (p.kBits == KB && p.vBits == VB)                                                                                \
+    {                                                                                                                  \
+        return mmaKernelFor<T, kD, KB, VB>(p, fn, smemBytes);                                                          \
+    }
+    KIVI_MMA_CASE(2, 2)
+    KIVI_MMA_CASE(2, 4)
+    KIVI_MMA_CASE(2, 8)
+    KIVI_MMA_CASE(4, 2)
+    KIVI_MMA_CASE(4, 4)
+    KIVI_MMA_CASE(4, 8)
+    KIVI_MMA_CASE(8, 2)
+    KIVI_MMA_CASE(8, 4)
+    KIVI_MMA_CASE(8, 8)
+#undef KIVI_MMA_CASE
+    return cudaErrorInvalidValue; // kiviValidate admits bits 2, 4, 8 only
+}
+
+//! Resident CTAs per SM of the default attention kernel for these params (occupancy query; no launch).
+template <typename T, int kD>
+int32_t mmaCtasPerSm(KiviStepParams const& p)
+{
+    void const* fn = nullptr;
+    int32_t smem = 0;
+    if (selectMmaKernel<T, kD>(p, &fn, &smem) != cudaSuccess)
+    {
+        return -1;
+    }
+    int32_t n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, kMMA_THREADS, smem) != cudaSuccess)
+    {
+        return -1;
+    }
+    return n;
+}
+
 //! Attention (+ combine when the keys are split). seqInfo: the prepare kernel's output in the workspace.
 template <typename T, int kD>
 cudaError_t launchKiviAttention(KiviStepParams const& p, KiviLaunchPlan const& plan, SeqInfo const* seqInfo,
+    float* partialAcc, float* partialMl, cudaStream_t stream)
+{
+    dim3 const grid(plan.numTiles, p.numKvHeads, plan.numSplits);
+    void const* fn = nullptr;
+    int32_t smem = 0;
+    cudaError_t err = selectMmaKernel<T, kD>(p, &fn, &smem);
+    if (err != cudaSuccess)
+    {
+        return err;
+    }
+    KiviStepParams pc = p;
+    KiviLaunchPlan planc = plan;
+    void* args[] = {&pc, &planc, &seqInfo, &partialAcc, &partialMl};
+    err = cudaLaunchKernel(fn, grid, dim3(kMMA_THREADS), args, static_cast<size_t>(smem), stream);
+    if (err != cudaSuccess || plan.numSplits == 1)
+    {
+        return err;
+    }
+    int64_t const pairs = int64_t(p.numTokens) * p.numHeads;
+    int64_t const blocks = (pairs + kATTN_WARPS - 1) / kATTN_WARPS;
+    kiviCombineKernel<T, kD>
+        <<<static_cast<uint32_t>(blocks), kATTN_THREADS, 0, stream>>>(p, plan, seqInfo, partialAcc, partialMl);
+    return cudaGetLastError();
+}
+
+//! The legacy SIMT / WMMA kernels (FORMAT_VERSION 1 layout): compiled as performance-model subjects only;
+//! kiviValidate refuses attention_impl 1 and 2, so nothing launches this.
+template <typename T, int kD>
+cudaError_t launchLegacyAttention(KiviStepParams const& p, KiviLaunchPlan const& plan, SeqInfo const* seqInfo,
     float* partialAcc, float* partialMl, cudaStream_t stream)
 {
     dim3 const grid(plan.numTiles, p.numKvHeads, plan.numSplits);
@@ -30,15 +112,6 @@ cudaError_t launchKiviAttention(KiviStepParams const& p, KiviLaunchPlan const& p
     {
         kiviAttentionKernel<T, kD><<<grid, kATTN_THREADS, 0, stream>>>(p, plan, seqInfo, partialAcc, partialMl);
     }
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess || plan.numSplits == 1)
-    {
-        return err;
-    }
-    int64_t const pairs = int64_t(p.numTokens) * p.numHeads;
-    int64_t const blocks = (pairs + kATTN_WARPS - 1) / kATTN_WARPS;
-    kiviCombineKernel<T, kD>
-        <<<static_cast<uint32_t>(blocks), kATTN_THREADS, 0, stream>>>(p, plan, seqInfo, partialAcc, partialMl);
     return cudaGetLastError();
 }
 
@@ -64,6 +137,9 @@ cudaError_t launchKiviAppend(KiviStepParams const& p, KiviLaunchPlan const& plan
 #define KIVI_INSTANTIATE_LAUNCHERS(T, D)                                                                               \
     template cudaError_t launchKiviAttention<T, D>(                                                                    \
         KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*, float*, float*, cudaStream_t);                   \
+    template cudaError_t launchLegacyAttention<T, D>(                                                                  \
+        KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*, float*, float*, cudaStream_t);                   \
+    template int32_t mmaCtasPerSm<T, D>(KiviStepParams const&);                                                        \
     template cudaError_t launchKiviAppend<T, D>(KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*,          \
         cudaStream_t);
 

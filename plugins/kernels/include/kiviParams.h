@@ -85,15 +85,18 @@ struct KiviStepParams
     void* workspace;    //!< kiviWorkspaceSize(params) bytes, 256-byte aligned (may be null when that size is 0)
     size_t workspaceSize;
     // appended after the first version of this struct (zero-initialized callers get the defaults)
-    int32_t attentionImpl; //!< KiviAttentionImpl: 0 = auto (SIMT for now), 1 = SIMT, 2 = tensor cores (experimental)
+    int32_t attentionImpl; //!< KiviAttentionImpl: 0 = auto (= 3, mma.sync), 1 / 2 legacy (refused), 3 = mma.sync
+    int32_t ctasPerSm;     //!< resident attention CTAs per SM the split is sized for (0: kMMA_CTAS_PER_SM); the
+                           //!< launcher's kiviAttentionCtasPerSm() gives the real occupancy on the current device
 };
 
 //! Attention kernel choice (KiviStepParams::attentionImpl). Same decomposition, same workspace.
 enum KiviAttentionImpl : int32_t
 {
-    kKIVI_ATTN_AUTO = 0,
-    kKIVI_ATTN_SIMT = 1,
-    kKIVI_ATTN_TENSOR_CORE = 2, //!< WMMA, sm_80+; p rounded to the activation dtype (kiviAttentionTc.cuh)
+    kKIVI_ATTN_AUTO = 0,        //!< the default: kKIVI_ATTN_MMA
+    kKIVI_ATTN_SIMT = 1,        //!< legacy: reads the FORMAT_VERSION 1 layout; compiled, refused by kiviValidate
+    kKIVI_ATTN_TENSOR_CORE = 2, //!< legacy WMMA kernel: same
+    kKIVI_ATTN_MMA = 3,         //!< mma.sync m16n8k16 over FRAGMENT-order codes (kiviDecodeMma.cuh), sm_80+
 };
 
 //! Derived launch geometry: a pure function of the host fields, shared by the launchers, the workspace query and
@@ -104,8 +107,8 @@ struct KiviLaunchPlan
     int32_t maxSeqLen;      //!< resolved maxSeqLen
     int32_t maxChunkLen;    //!< resolved maxChunkLen
     int32_t groupHeads;     //!< numHeads / numKvHeads
-    int32_t tileTokens;     //!< query tokens per attention CTA = kMAX_TILE_ROWS / groupHeads (>= 1)
-    int32_t numTiles;       //!< attention grid.x: an upper bound of sum_b ceil(chunk_len[b] / tileTokens)
+    int32_t tileTokens;     //!< legacy kernels only: kMAX_TILE_ROWS / groupHeads (>= 1)
+    int32_t numTiles;       //!< attention grid.x: an upper bound of sum_b ceil(chunk_len[b] * groupHeads / tileRows)
     int32_t splitLen;       //!< keys per split at maxSeqLen (multiple of kKEY_TILE); numSplits = ceil(maxSeqLen / it)
     int32_t numSplits;      //!< attention grid.z. Each sequence splits its own length e over all of them:
                             //!< splitLen(e) = max(kMIN_SPLIT_LEN, roundUp(ceil(e / numSplits), kKEY_TILE))
@@ -113,13 +116,17 @@ struct KiviLaunchPlan
     size_t seqInfoBytes;    //!< workspace part 1: per-sequence info
     size_t partialBytes;    //!< workspace part 2: split partials (m, l, acc[D]) of this step when numSplits > 1
                             //!< (numTokens x numHeads x numSplits rows); 0 when numSplits == 1
+    int32_t tileRows;       //!< query rows per attention CTA (row r of a chunk = token r / groupHeads, head r %
+                            //!< groupHeads): kTILE_ROWS, the MMA's N
+    int32_t ctasPerSm;      //!< resolved KiviStepParams::ctasPerSm
 };
 
 constexpr int32_t kKEY_TILE = 32;      //!< keys per attention tile (a G-group never straddles one: G % 32 == 0)
 constexpr int32_t kMAX_TILE_ROWS = 16; //!< query rows (tokens x heads of one KV head) per attention CTA
+constexpr int32_t kTILE_ROWS = 8;      //!< query rows per CTA of the mma.sync kernel (its N)
 constexpr int32_t kMIN_SPLIT_LEN = 256;
 constexpr int32_t kDEFAULT_NUM_SMS = 132;
-constexpr int32_t kCTAS_PER_SM = 4; //!< split target: tiles x KV heads x splits ~ kCTAS_PER_SM x SMs
+constexpr int32_t kMMA_CTAS_PER_SM = 3; //!< default occupancy (__launch_bounds__ of kiviDecodeMmaKernel): tiles x KV heads x splits <= one wave of SMs x this
 constexpr int32_t kSEQ_INFO_INTS = 8; //!< per sequence: token/tile offsets, tile count, valid, split length, 3 spare
 
 //! Validate the host fields and pointers of `p` for `phase` (kPHASE_*). Returns 0 when valid, else writes a message
@@ -148,8 +155,8 @@ size_t kiviWorkspaceSize(KiviStepParams const& p);
 size_t kiviWorkspaceSizeForProfile(
     KiviStepParams const& maxStep, int32_t minTokens, int32_t minBatch, int32_t minBlocksPerSeq);
 
-//! Lowest compute capability (major * 10 + minor) of each attention implementation; the WMMA kernel's body is
-//! empty below sm_80.
+//! Lowest compute capability (major * 10 + minor) of the attention kernels: the default mma.sync kernel (and the
+//! legacy WMMA one) need sm_80.
 constexpr int32_t kMIN_SM_TENSOR_CORE = 80;
 
 //! 0 when the attention implementation p.attentionImpl runs on a device of compute capability smVersion

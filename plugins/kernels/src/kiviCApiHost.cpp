@@ -35,8 +35,9 @@ int32_t kiviCLaunchPlan(void const* params, int64_t* out)
     KiviLaunchPlan const plan = trtllm_kivi::kernels::kiviLaunchPlan(p);
     int64_t const fields[] = {plan.windowCapacity, plan.maxSeqLen, plan.maxChunkLen, plan.groupHeads, plan.tileTokens,
         plan.numTiles, plan.splitLen, plan.numSplits, plan.flushGroupsPerSeq, int64_t(plan.seqInfoBytes),
-        int64_t(plan.partialBytes), int64_t(trtllm_kivi::kernels::kiviWorkspaceSize(p))};
-    for (int32_t i = 0; i < 12; ++i)
+        int64_t(plan.partialBytes), int64_t(trtllm_kivi::kernels::kiviWorkspaceSize(p)), plan.tileRows,
+        plan.ctasPerSm};
+    for (int32_t i = 0; i < 14; ++i)
     {
         out[i] = fields[i];
     }

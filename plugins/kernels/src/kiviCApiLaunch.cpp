@@ -20,6 +20,11 @@ int32_t kiviCAttention(void const* params, void* stream)
         *static_cast<KiviStepParams const*>(params), static_cast<cudaStream_t>(stream)));
 }
 
+int32_t kiviCAttentionCtasPerSm(void const* params)
+{
+    return trtllm_kivi::kernels::kiviAttentionCtasPerSm(*static_cast<KiviStepParams const*>(params));
+}
+
 int32_t kiviCAppend(void const* params, void* stream)
 {
     return static_cast<int32_t>(trtllm_kivi::kernels::invokeKiviAppend(

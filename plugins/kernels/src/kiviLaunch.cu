@@ -4,6 +4,7 @@
 #include "kiviLaunchTemplates.cuh"
 
 #include <atomic>
+#include <cstdio>
 
 namespace trtllm_kivi
 {
@@ -15,7 +16,10 @@ namespace kernels
     extern template cudaError_t launchKiviAttention<T, D>(                                                             \
         KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*, float*, float*, cudaStream_t);                   \
     extern template cudaError_t launchKiviAppend<T, D>(                                                                \
-        KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*, cudaStream_t);
+        KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*, cudaStream_t);                                   \
+    extern template cudaError_t launchLegacyAttention<T, D>(                                                           \
+        KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*, float*, float*, cudaStream_t);                   \
+    extern template int32_t mmaCtasPerSm<T, D>(KiviStepParams const&);
 KIVI_EXTERN_LAUNCHERS(half, 64)
 KIVI_EXTERN_LAUNCHERS(half, 128)
 KIVI_EXTERN_LAUNCHERS(__nv_bfloat16, 64)
@@ -40,7 +44,7 @@ __global__ void __launch_bounds__(128) kiviPrepareKernel(KiviStepParams p, KiviL
     {
         int64_t const c = max(p.chunkLen[j], 0);
         tokens += c;
-        tiles += (c + plan.tileTokens - 1) / plan.tileTokens;
+        tiles += (c * plan.groupHeads + plan.tileRows - 1) / plan.tileRows;
     }
     sTokens[threadIdx.x] = tokens;
     sTiles[threadIdx.x] = tiles;
@@ -102,7 +106,7 @@ __global__ void __launch_bounds__(128) kiviPrepareKernel(KiviStepParams p, KiviL
         SeqInfo info;
         info.tokenOffset = static_cast<int32_t>(tokenOffset < p.numTokens ? tokenOffset : p.numTokens);
         info.tileOffset = static_cast<int32_t>(tileOffset);
-        info.tileCount = static_cast<int32_t>((rows + plan.tileTokens - 1) / plan.tileTokens);
+        info.tileCount = static_cast<int32_t>((rows * plan.groupHeads + plan.tileRows - 1) / plan.tileRows);
         info.valid = err == 0 ? 1 : 0;
         // This sequence's length e spread over all numSplits splits (whole 32-key tiles, at least kMIN_SPLIT_LEN),
         // so a short sequence in an engine sized for long ones still uses the splits: numSplits * splitLen >= e.
@@ -260,6 +264,21 @@ cudaError_t invokePhases(KiviStepParams const& p, int32_t phase, cudaStream_t st
 }
 
 } // namespace
+
+int32_t kiviAttentionCtasPerSm(KiviStepParams const& p)
+{
+    // Only the kernel choice (head_dim, dtype, bits, scale dtype, G) matters: no pointers are needed.
+    bool const bf16 = p.actDtype == kKIVI_BFLOAT16;
+    if (p.headDim == 64)
+    {
+        return bf16 ? mmaCtasPerSm<__nv_bfloat16, 64>(p) : mmaCtasPerSm<half, 64>(p);
+    }
+    if (p.headDim == 128)
+    {
+        return bf16 ? mmaCtasPerSm<__nv_bfloat16, 128>(p) : mmaCtasPerSm<half, 128>(p);
+    }
+    return -1;
+}
 
 cudaError_t invokeKiviStep(KiviStepParams const& params, cudaStream_t stream)
 {

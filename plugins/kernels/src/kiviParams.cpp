@@ -52,11 +52,6 @@ bool aligned(void const* ptr, size_t alignment)
     return reinterpret_cast<uintptr_t>(ptr) % alignment == 0;
 }
 
-size_t dtypeBytes(int32_t dtype)
-{
-    return dtype == kKIVI_FLOAT32 ? 4 : 2;
-}
-
 //! A required device pointer: non-null and aligned. Returns 0 or fails with a message naming the buffer.
 int32_t checkPointer(char const* name, void const* ptr, size_t alignment, char* msg, size_t msgLen)
 {
@@ -80,14 +75,16 @@ size_t partialBytesOf(KiviStepParams const& p, int64_t splits)
         + roundUp256(rows * 2 * sizeof(float));
 }
 
-//! The split count the plan aims for: ceil(kCTAS_PER_SM x SMs / (tiles x KV heads)), clamped to [1, maxSplits]
-//! (maxSplits = ceil(maxSeqLen / kMIN_SPLIT_LEN)). numSplits <= this, with equality unless rounding splitLen up to
-//! whole key tiles leaves the last split empty. plan.numTiles and plan.maxSeqLen must be set.
+//! The split count the plan aims for: floor(SMs x ctasPerSm / (tiles x KV heads)) -- one whole wave of resident
+//! CTAs -- clamped to [1, maxSplits] (maxSplits = ceil(maxSeqLen / kMIN_SPLIT_LEN)). numSplits <= this, with equality
+//! unless rounding splitLen up to whole key tiles leaves the last split empty. plan.numTiles, plan.maxSeqLen and
+//! plan.ctasPerSm must be set. Never increases with numTokens (tiles only grow).
 int64_t targetSplits(KiviStepParams const& p, KiviLaunchPlan const& plan)
 {
     int64_t const sms = p.numSms > 0 ? p.numSms : kDEFAULT_NUM_SMS;
-    int64_t const ctas = int64_t(plan.numTiles > 0 ? plan.numTiles : 1) * (p.numKvHeads > 0 ? p.numKvHeads : 1);
-    int64_t const splits = ceilDiv(kCTAS_PER_SM * sms, ctas);
+    int64_t const slots = sms * (plan.ctasPerSm > 0 ? plan.ctasPerSm : kMMA_CTAS_PER_SM);
+    int64_t const base = int64_t(plan.numTiles > 0 ? plan.numTiles : 1) * (p.numKvHeads > 0 ? p.numKvHeads : 1);
+    int64_t const splits = slots / base;
     int64_t const maxSplits = ceilDiv(plan.maxSeqLen > 0 ? plan.maxSeqLen : 1, kMIN_SPLIT_LEN);
     return splits < 1 ? 1 : (splits > maxSplits ? maxSplits : splits);
 }
@@ -186,10 +183,21 @@ int32_t kiviValidate(KiviStepParams const& p, int32_t phase, char* msg, size_t m
             p.maxSeqLen, static_cast<long long>(capacity), p.maxBlocksPerSeq, p.blockSize,
             windowCapacity(p.residualLength, p.groupSize), static_cast<long long>(capacity));
     }
-    if (p.attentionImpl < kKIVI_ATTN_AUTO || p.attentionImpl > kKIVI_ATTN_TENSOR_CORE)
+    if (p.attentionImpl == kKIVI_ATTN_SIMT || p.attentionImpl == kKIVI_ATTN_TENSOR_CORE)
     {
-        return fail(msg, msgLen, "attention_impl=%d is not supported; allowed: 0 (auto), 1 (simt), 2 (tensor_core)",
+        return fail(msg, msgLen,
+            "attention_impl=%d (legacy SIMT/WMMA kernel) reads the FORMAT_VERSION 1 code layout and is kept compiled "
+            "only as a performance-model subject; allowed: 0 (auto), 3 (mma)",
             p.attentionImpl);
+    }
+    if (p.attentionImpl != kKIVI_ATTN_AUTO && p.attentionImpl != kKIVI_ATTN_MMA)
+    {
+        return fail(msg, msgLen, "attention_impl=%d is not supported; allowed: 0 (auto), 3 (mma)", p.attentionImpl);
+    }
+    if (p.ctasPerSm < 0 || p.ctasPerSm > 64)
+    {
+        return fail(msg, msgLen, "ctas_per_sm=%d is out of range; allowed: 0 (= %d) .. 64", p.ctasPerSm,
+            kMMA_CTAS_PER_SM);
     }
     if (p.numSms < 0)
     {
@@ -199,7 +207,6 @@ int32_t kiviValidate(KiviStepParams const& p, int32_t phase, char* msg, size_t m
     {
         return 0; // nothing to launch; pointers may be null
     }
-    size_t const sz = dtypeBytes(p.scaleDtype);
     struct Req
     {
         char const* name;
@@ -217,12 +224,13 @@ int32_t kiviValidate(KiviStepParams const& p, int32_t phase, char* msg, size_t m
         {"past_len", p.pastLen, 4, true, true},
         {"chunk_len", p.chunkLen, 4, true, true},
         {"block_table", p.blockTable, 4, true, true},
-        {"k_codes", p.kCodes, 4, true, true},
-        {"k_scale", p.kScale, sz, true, true},
-        {"k_zero", p.kZero, sz, true, true},
-        {"v_codes", p.vCodes, 4, true, true},
-        {"v_scale", p.vScale, sz, true, true},
-        {"v_zero", p.vZero, sz, true, true},
+        // codes and scales are staged with 16-byte cp.async copies by the attention kernel
+        {"k_codes", p.kCodes, 16, true, true},
+        {"k_scale", p.kScale, 16, true, true},
+        {"k_zero", p.kZero, 16, true, true},
+        {"v_codes", p.vCodes, 16, true, true},
+        {"v_scale", p.vScale, 16, true, true},
+        {"v_zero", p.vZero, 16, true, true},
         {"k_window", p.kWindow, 16, true, true},
         {"v_window", p.vWindow, 16, true, true},
     };
@@ -262,11 +270,17 @@ KiviLaunchPlan kiviLaunchPlan(KiviStepParams const& p)
     plan.groupHeads = p.numKvHeads > 0 && p.numHeads >= p.numKvHeads ? p.numHeads / p.numKvHeads : 1;
     plan.tileTokens = plan.groupHeads <= kMAX_TILE_ROWS ? kMAX_TILE_ROWS / plan.groupHeads : 1;
     int64_t const t = p.numTokens;
-    // Each sequence with c tokens has ceil(c / TQ) tiles: sum <= ceil(T / TQ) + B, and never more than T.
-    int64_t tiles = ceilDiv(t, plan.tileTokens) + p.batch;
-    plan.numTiles = static_cast<int32_t>(tiles < t ? tiles : t);
-    // Split over keys so that tiles x KV heads x splits gives about kCTAS_PER_SM CTAs per SM; splits never shorter
-    // than kMIN_SPLIT_LEN keys. Lengths are device values, so the split is sized for maxSeqLen (a hint when known).
+    int64_t const grp = plan.groupHeads;
+    plan.tileRows = kTILE_ROWS;
+    // Sequence b has ceil(c_b * grp / 8) tiles of 8 query rows: the sum is <= ceil(T * grp / 8) + B and
+    // <= T * ceil(grp / 8).
+    int64_t const byRows = ceilDiv(t * grp, kTILE_ROWS) + p.batch;
+    int64_t const byTokens = t * ceilDiv(grp, kTILE_ROWS);
+    plan.numTiles = static_cast<int32_t>(byRows < byTokens ? byRows : byTokens);
+    // Split the keys so that tiles x KV heads x splits fills one wave of SMs x ctasPerSm resident CTAs (whole
+    // waves: never more CTAs than slots unless tiles x KV heads alone exceed them); splits of >= kMIN_SPLIT_LEN
+    // keys. Lengths are device values, so the split is sized for maxSeqLen (a hint when known).
+    plan.ctasPerSm = p.ctasPerSm > 0 ? p.ctasPerSm : kMMA_CTAS_PER_SM;
     int64_t const splits = targetSplits(p, plan);
     int64_t const msl = plan.maxSeqLen > 0 ? plan.maxSeqLen : 1;
     int64_t const splitLen = ceilDiv(ceilDiv(msl, splits), kKEY_TILE) * kKEY_TILE;
@@ -347,12 +361,15 @@ int32_t kiviCheckArch(KiviStepParams const& p, int32_t smVersion, char* msg, siz
     {
         msg[0] = '\0';
     }
-    if (p.attentionImpl == kKIVI_ATTN_TENSOR_CORE && smVersion < kMIN_SM_TENSOR_CORE)
+    // Every attention implementation kiviValidate admits (0 auto, 3 mma) is the mma.sync kernel: bf16/f16
+    // m16n8k16, movmatrix and cp.async need sm_80.
+    if (smVersion < kMIN_SM_TENSOR_CORE)
     {
         return fail(msg, msgLen,
-            "attention_impl=2 (tensor_core) needs compute capability >= %d.%d; this device is sm_%d (%d.%d); "
-            "use attention_impl 0 (auto) or 1 (simt)",
-            kMIN_SM_TENSOR_CORE / 10, kMIN_SM_TENSOR_CORE % 10, smVersion, smVersion / 10, smVersion % 10);
+            "attention_impl=%d (the mma.sync attention kernel) needs compute capability >= %d.%d; this device is "
+            "sm_%d (%d.%d)",
+            p.attentionImpl, kMIN_SM_TENSOR_CORE / 10, kMIN_SM_TENSOR_CORE % 10, smVersion, smVersion / 10,
+            smVersion % 10);
     }
     return 0;
 }

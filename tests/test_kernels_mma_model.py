@@ -1,0 +1,127 @@
+"""The lane-level emulation of the default decode kernel (trtllm_kivi/cuda/mma_model.py) against the reference.
+
+Oracles: trtllm_kivi.reference (pack_fragments / quantize, kivi_attention_, append) and the PTX ISA's mma.m16n8k16
+fragment layouts (written out in mma_model.a_coord / b_coord / c_coord).
+  - fragments: the registers a lane builds from its words (one shift + one lop3 each), placed by the PTX A layout,
+    are exactly the reference's codes of the K tile (rows = keys, pairs along channels) and of the V^T tile (rows =
+    channels, pairs along tokens) -- for every bit width, both MMA types, head_dim 64 and 128;
+  - movmatrix: the C fragment of S moved to the B fragment of P^T is P itself;
+  - stores: bit-exact (model.append vs reference append), after every step;
+  - attention: within mma_model.attention_tolerance, a bound derived from the folded rounding (q' = rnd(q s 2^b),
+    P'' = rnd(p s 2^b), the reference rounding dequantized K/V to the activation dtype, fp32 sums; see its
+    docstring). The bound is computed per element from the data, so it is tight where the data is small; a test
+    checks that a wrong fragment (two channels swapped) is far outside it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trtllm_kivi.cuda import mma_model, model
+from trtllm_kivi.format import KiviConfig, fragment_words_per_lane
+from trtllm_kivi.reference import KiviBuffers, kivi_attention_, pack_fragments
+
+
+@pytest.mark.parametrize("act", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fragments_hold_the_reference_codes(act, bits, d):
+    gen = torch.Generator().manual_seed(bits + d)
+    codes = torch.randint(0, 2 ** bits, (16, d), generator=gen).int()
+    codes[0, :] = 2 ** bits - 1  # all-ones words (negative int32)
+    alpha, beta = mma_model.code_affine(act, bits)
+    for kind in ("keys", "values"):
+        words = pack_fragments(codes, bits, kind).numpy().view(np.uint32).reshape(32, fragment_words_per_lane(d, bits))
+        a = mma_model.assemble_a(mma_model.unpack_tile(words, bits, d, act))  # [D/16, 16, 16]
+        got = (a.astype(np.float64) - alpha) / beta  # exact: alpha + beta c is exact in act
+        for blk in range(d // 16):
+            want = codes[:, 16 * blk:16 * blk + 16] if kind == "keys" else codes[:, 16 * blk:16 * blk + 16].T
+            assert np.array_equal(got[blk], want.numpy()), (kind, blk)
+
+
+def test_movmatrix_moves_p_into_the_b_fragment():
+    p = np.random.default_rng(0).random((16, 8)).astype(np.float32)
+    assert np.array_equal(mma_model.p_to_b_fragment(p), p)
+    x = np.arange(64, dtype=np.float32).reshape(32, 2)  # lane L holds M[L//4][2(L%4)+i] = 8 row + col
+    y = mma_model.movmatrix_trans(x)
+    m = x.reshape(8, 8)
+    assert np.array_equal(y.reshape(8, 8), m.T)
+
+
+def run_steps(cfg, h, hkv, d, dtype, steps, *, num_sms=0, max_seq_len=0, seed=0, num_blocks=48, mbs=8,
+              history=None):
+    torch.manual_seed(seed)
+    batch = len(steps[0])
+    ref = KiviBuffers.allocate(cfg, hkv, d, num_blocks, batch + 1, dtype)
+    table = torch.randperm(num_blocks)[: batch * mbs].reshape(batch, mbs).int()
+    slots = torch.randperm(batch + 1)[:batch].int()
+    lens = [0] * batch
+    if history:
+        from trtllm_kivi.reference.attention import append as ref_append
+        for b, n in enumerate(history):
+            ref_append(ref, cfg, int(slots[b]), table[b], 0, torch.randn(hkv, n, d).to(dtype),
+                       torch.randn(hkv, n, d).to(dtype))
+        lens = list(history)
+    mod = ref.clone()
+    plans, worst = [], 0.0
+    for chunks in steps:
+        t = sum(chunks)
+        q, k, v = (torch.randn(t, n, d).to(dtype) for n in (h, hkv, hkv))
+        past, chunk = torch.tensor(lens).int(), torch.tensor(chunks).int()
+        before = ref.clone()
+        out_ref = kivi_attention_(q, k, v, slots, past, chunk, table, ref, cfg)
+        out, plan, flag = model.attention(q, k, v, slots, past, chunk, table, mod, cfg, num_sms=num_sms,
+                                          max_seq_len=max_seq_len)
+        flag |= model.append(k, v, slots, past, chunk, table, mod, cfg, max_seq_len=max_seq_len)
+        assert flag == 0
+        tol = mma_model.step_tolerance(before, cfg, q, k, v, slots, past, chunk, table)
+        err = (out.float() - out_ref.float()).abs()
+        assert torch.all(err <= tol), f"chunks {chunks} past {lens}: max err/tol {(err / tol).max().item()}"
+        worst = max(worst, (err / tol).max().item())
+        for name, a, b in zip(ref._fields, ref, mod):
+            assert torch.equal(a, b), f"{name} differs after chunks {chunks} (past {lens})"
+        plans.append(plan)
+        lens = [a + b for a, b in zip(lens, chunks)]
+    return plans, worst
+
+
+@pytest.mark.parametrize("kb, vb, g, d, h, hkv, dtype, sdt", [
+    (2, 2, 32, 128, 8, 2, torch.float16, "float16"),
+    (4, 8, 32, 64, 3, 1, torch.bfloat16, "float16"),
+    (8, 2, 64, 128, 8, 1, torch.float16, "bfloat16"),
+    (2, 4, 32, 64, 4, 4, torch.bfloat16, "float32"),
+    (4, 4, 128, 64, 16, 1, torch.float16, "float16"),
+    (8, 8, 32, 64, 2, 2, torch.bfloat16, "float16"),
+])
+def test_emulation_step_matches_reference(kb, vb, g, d, h, hkv, dtype, sdt):
+    """Ragged prefill/decode mix crossing window and group boundaries; GQA 4/3/8/16, MHA; one split and many."""
+    cfg = KiviConfig(k_bits=kb, v_bits=vb, group_size=g, residual_length=32, block_size=128, scale_dtype=sdt)
+    steps = [[40, 3, 0], [1, 70, 7], [1, 1, 33]]
+    few, _ = run_steps(cfg, h, hkv, d, dtype, steps, num_sms=1)
+    assert any(p.num_splits == 1 for p in few)
+    many, _ = run_steps(cfg, h, hkv, d, dtype, steps, num_sms=1000)
+    assert any(p.num_splits > 2 for p in many)
+
+
+def test_emulation_long_history_splits_and_warps():
+    """700- and 1100-token histories: every warp gets several chunks, several splits per query are merged."""
+    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=32, block_size=128)
+    plans, worst = run_steps(cfg, 8, 2, 128, torch.float16, [[1, 1], [2, 1]], num_sms=8, history=[1100, 700],
+                             num_blocks=24, mbs=10)
+    assert plans[0].num_splits > 1 and worst < 1.0
+
+
+def test_tolerance_catches_a_wrong_fragment(monkeypatch):
+    """Swap two K channels in the register assignment: the emulation leaves the derived tolerance."""
+    real = mma_model.register_of
+
+    def swapped(j, pos, bits):
+        blk, reg = real(j, pos, bits)
+        return blk, {0: 2, 2: 0}.get(reg, reg)  # channel 2t <-> 2t + 8
+
+    cfg = KiviConfig(k_bits=4, v_bits=4, group_size=32, residual_length=32, block_size=128)
+    monkeypatch.setattr(mma_model, "register_of", swapped)
+    with pytest.raises(AssertionError, match="max err/tol"):
+        run_steps(cfg, 4, 1, 64, torch.float16, [[1]], history=[200], num_blocks=4, mbs=2)

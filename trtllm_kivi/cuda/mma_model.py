@@ -1,0 +1,511 @@
+"""Lane-level CPU emulation of the default decode attention kernel (plugins/kernels/include/kiviDecodeMma.cuh).
+
+What it reproduces, in numpy, with the kernel's arithmetic:
+  - fragments: which lane and register hold which (token, channel) codes after the unpack of a FRAGMENT-order tile
+    (trtllm_kivi/format.py), assembled into matrices with the PTX ISA's mma.m16n8k16 A/B/C layouts (g = lane >> 2,
+    t = lane & 3; A: row g + 8 (r & 1), col 2t + 8 (r >> 1) + {0,1}; B: k 2t + 8 r + {0,1}, n g; C: row g + 8 (r >> 1),
+    col 2t + (r & 1)), and the movmatrix.m8n8.trans that turns the C fragment of S into the B fragment of P^T;
+  - the bit conversion: one shift + one lop3 per register, the code lands in the top b mantissa bits of 1.0
+    (fp16 0x3C00 / bf16 0x3F80), so the register is the exact pair (1 + c_lo 2^-b, 1 + c_hi 2^-b); bf16 with 8-bit
+    codes (7 mantissa bits) converts through fp32 instead (the register is the exact pair (c_lo, c_hi));
+  - the folded scales (per group, as the kernel): q' = rnd_T(qsc * s_k * 2^b) for the S MMA, with qsc = fl32(q / sqrt D)
+    and a per-(group, head) score bias  fl32-sum over channels of  qsc * z_k - q'  (the "1" of every converted code
+    times q' cancelled with the same rounded q'); for O^T: P'' = rnd_T(p * s_v * 2^b) per V channel group, and the
+    per-(group, head) bias  sum over keys of  z_v * p - P''  accumulated per lane and reduced once at the end;
+  - the decomposition: CTA = (8 query rows, KV head, split); 4 warps split the split's 32-key chunks into contiguous
+    ranges, each with its own online softmax (m, l per head), merged once through shared memory; splits merged by
+    the combine kernel (LSE weights).
+The tensor-core products are modelled as exact products summed in float64 and rounded once to fp32 per MMA (the
+hardware's fp32 accumulation order differs: attention_tolerance bounds that too).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..format import ONE_BF16, ONE_FP16, KiviConfig, fragment_words_per_lane
+from ..reference.attention import KiviBuffers
+from .model import LaunchPlan, _round_to, launch_plan, prepare
+
+WARPS = 4
+CHUNK = 32  # keys per warp iteration: two 16-key MMA tiles
+TILE = 16
+N = 8  # query rows per CTA (the MMA's N)
+ONE_BITS = {torch.float16: ONE_FP16, torch.bfloat16: ONE_BF16}
+MANTISSA = {torch.float16: 10, torch.bfloat16: 7}
+UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+
+
+# ---------------------------------------------------------------------------------------------- fragments (PTX ISA)
+
+
+def _lanes() -> tuple[np.ndarray, np.ndarray]:
+    lane = np.arange(32)
+    return lane >> 2, lane & 3
+
+
+def a_coord(lane: np.ndarray, reg: int, half: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row, col) of element `half` of A register `reg` (m16n8k16, .f16/.bf16, row-major A)."""
+    g, t = lane >> 2, lane & 3
+    return g + 8 * (reg & 1), 2 * t + half + 8 * (reg >> 1)
+
+
+def b_coord(lane: np.ndarray, reg: int, half: int) -> tuple[np.ndarray, np.ndarray]:
+    """(k, n) of element `half` of B register `reg` (col-major B)."""
+    g, t = lane >> 2, lane & 3
+    return 2 * t + half + 8 * reg, g
+
+
+def c_coord(lane: np.ndarray, reg: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row, col) of fp32 accumulator register `reg`."""
+    g, t = lane >> 2, lane & 3
+    return g + 8 * (reg >> 1), 2 * t + (reg & 1)
+
+
+def register_of(j: int, pos: int, bits: int) -> tuple[int, int]:
+    """The kernel's register assignment: word j, bit position pos -> (16-wide block, A register)."""
+    pi = j * (16 // bits) + pos
+    return pi // 4, pi % 4
+
+
+def movmatrix_trans(x: np.ndarray) -> np.ndarray:
+    """movmatrix.sync.aligned.m8n8.trans.b16: x [32 lanes, 2] holds M[lane // 4][2 (lane % 4) + i]; returns the
+    same layout of M^T (lane L gets M[2 (L % 4) + i][L // 4])."""
+    lane = np.arange(32)
+    out = np.empty_like(x)
+    for i in range(2):
+        src_row, src_col = 2 * (lane % 4) + i, lane // 4
+        out[:, i] = x[src_row * 4 + src_col // 2, src_col % 2]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- bit conversion
+
+
+def _bits_to_float(h: np.ndarray, act: torch.dtype) -> np.ndarray:
+    """16-bit patterns (uint32 holding them) -> float32 values of `act`."""
+    if act == torch.float16:
+        return h.astype(np.uint16).view(np.float16).astype(np.float32)
+    return (h.astype(np.uint32) << np.uint32(16)).view(np.float32)  # bf16 = the top half of an fp32
+
+
+def code_affine(act: torch.dtype, bits: int) -> tuple[float, float]:
+    """(alpha, beta): a converted register element is alpha + beta * code, exactly."""
+    if act == torch.bfloat16 and bits == 8:
+        return 0.0, 1.0
+    return 1.0, 2.0 ** -bits
+
+
+def convert_register(words: np.ndarray, pos: int, bits: int, act: torch.dtype) -> np.ndarray:
+    """The register of bit position `pos`: words uint32 [...] -> float32 [..., 2] (low half, high half).
+
+    fp16 / bf16 (b < 8): shift the word so that the codes at bits [p b, (p+1) b) of each half land on mantissa bits
+    [m - b, m) (m = 10 or 7), then lop3: (x & mask) | ONE ONE, i.e. exactly 1 + c 2^-b per half."""
+    w = words.astype(np.uint64)
+    alpha, _ = code_affine(act, bits)
+    if alpha == 0.0:  # bf16, 8-bit codes: cvt through fp32 (exact: c < 256 has 8 significant bits)
+        lo = (w >> np.uint64(pos * bits)) & np.uint64(0xFF)
+        hi = (w >> np.uint64(16 + pos * bits)) & np.uint64(0xFF)
+        return np.stack([lo, hi], axis=-1).astype(np.float32)
+    m = MANTISSA[act]
+    shift = (m - bits) - pos * bits  # left when positive
+    x = (w << np.uint64(shift)) if shift >= 0 else (w >> np.uint64(-shift))
+    x &= np.uint64(0xFFFFFFFF)
+    mask = (((1 << bits) - 1) << (m - bits)) * 0x00010001
+    one = ONE_BITS[act] * 0x00010001
+    r = (x & np.uint64(mask)) | np.uint64(one)
+    return np.stack([_bits_to_float(r & np.uint64(0xFFFF), act), _bits_to_float(r >> np.uint64(16), act)], axis=-1)
+
+
+def unpack_tile(words: np.ndarray, bits: int, head_dim: int, act: torch.dtype) -> np.ndarray:
+    """One FRAGMENT-order tile: words uint32 [32 lanes, nw] -> registers [D / 16, 32, 4, 2] (float32 values)."""
+    nw = fragment_words_per_lane(head_dim, bits)
+    regs = np.zeros((head_dim // 16, 32, 4, 2), np.float32)
+    for j in range(nw):
+        for pos in range(16 // bits):
+            blk, reg = register_of(j, pos, bits)
+            regs[blk, :, reg] = convert_register(words[:, j], pos, bits, act)
+    return regs
+
+
+def assemble_a(regs: np.ndarray) -> np.ndarray:
+    """registers [blocks, 32, 4, 2] -> the A matrices [blocks, 16, 16] they are (PTX A layout)."""
+    lane = np.arange(32)
+    a = np.zeros((regs.shape[0], 16, 16), np.float32)
+    for reg in range(4):
+        for half in range(2):
+            row, col = a_coord(lane, reg, half)
+            a[:, row, col] = regs[:, :, reg, half]
+    return a
+
+
+def p_to_b_fragment(p16: np.ndarray) -> np.ndarray:
+    """P [16 keys, 8 heads] already rounded to the MMA type, as the kernel moves it: C-fragment registers
+    (c0, c1 = keys g, heads 2t, 2t+1; c2, c3 = keys g + 8) packed to two b16x2 registers, movmatrix.trans each,
+    giving B registers b0 (keys 2t, 2t+1; head g) and b1 (keys 8 + 2t, +1) -> the B matrix [16 keys, 8 heads]."""
+    lane = np.arange(32)
+    c = np.zeros((32, 4), np.float32)
+    for reg in range(4):
+        row, col = c_coord(lane, reg)
+        c[:, reg] = p16[row, col]
+    b_regs = [movmatrix_trans(c[:, 0:2]), movmatrix_trans(c[:, 2:4])]
+    b = np.zeros((16, 8), np.float32)
+    for reg in range(2):
+        for half in range(2):
+            k, n = b_coord(lane, reg, half)
+            b[k, n] = b_regs[reg][:, half]
+    return b
+
+
+def _mma(c: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """D = A B + C: exact products, float64 sum, one rounding to fp32 (a model of the tensor core)."""
+    return (c.astype(np.float64) + a.astype(np.float64) @ b.astype(np.float64)).astype(np.float32)
+
+
+def _f32(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32)
+
+
+def _fma(a, b, c) -> np.ndarray:
+    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(np.float32)
+
+
+def _tree_sum(x: np.ndarray, axis: int) -> np.ndarray:
+    """Butterfly (xor-shuffle) sum of fp32 values along `axis` (length a power of 2), in the kernel's order."""
+    x = np.moveaxis(_f32(x), axis, 0)
+    while x.shape[0] > 1:  # xor 1 first: ((x0 + x1) + (x2 + x3)) + ...
+        x = _f32(x[0::2] + x[1::2])
+    return x[0]
+
+
+# ---------------------------------------------------------------------------------------------- one warp
+
+
+class _Warp:
+    """One warp's online-softmax state over its key range (heads = the CTA's N = 8 rows)."""
+
+    def __init__(self, d: int, n_vgroups: int) -> None:
+        self.m = np.full(N, -np.inf, np.float32)
+        self.l_part = np.zeros((8, N), np.float32)  # per groupID lane g (keys g, g + 8 of every tile)
+        self.o = np.zeros((d, N), np.float32)  # O^T: C fragments of the D / 16 channel m-tiles
+        self.vb_part = np.zeros((8, n_vgroups, N), np.float32)
+
+    def finish(self, gv: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """End of the key loop: reduce l and the V bias over the 8 groupID lanes, add the bias to O."""
+        lsum = _tree_sum(self.l_part, 0)
+        vb = _tree_sum(self.vb_part, 0)  # [groups, N]
+        o = _f32(self.o + np.repeat(vb, gv, axis=0))
+        return self.m, lsum, o
+
+
+class _Ctx:
+    """Everything one CTA reads: buffers, config, the sequence's rows."""
+
+    def __init__(self, buffers: KiviBuffers, cfg: KiviConfig, act: torch.dtype, d: int) -> None:
+        self.buf, self.cfg, self.act, self.d = buffers, cfg, act, d
+        self.gv = cfg.value_group_size(d)
+        self.k_words = buffers.k_codes.numpy().view(np.uint32).reshape(buffers.k_codes.shape[0],
+                                                                      buffers.k_codes.shape[1], -1)
+        self.v_words = buffers.v_codes.numpy().view(np.uint32).reshape(buffers.v_codes.shape[0],
+                                                                      buffers.v_codes.shape[1], -1)
+        self.ks, self.kz = buffers.k_scale.float().numpy(), buffers.k_zero.float().numpy()
+        self.vs, self.vz = buffers.v_scale.float().numpy(), buffers.v_zero.float().numpy()
+        self.kwin, self.vwin = buffers.k_window.float().numpy(), buffers.v_window.float().numpy()
+
+
+def _quantized_tiles(ctx: _Ctx, kind: str, blk: int, h: int, r: int) -> np.ndarray:
+    """The two 16-token tiles of the chunk at block row r (a multiple of 32) -> A matrices [2, D/16, 16, 16] of the
+    converted registers (keys: [key, channel]; values: V^T [channel, key])."""
+    bits = ctx.cfg.k_bits if kind == "keys" else ctx.cfg.v_bits
+    words = ctx.k_words if kind == "keys" else ctx.v_words
+    nw = fragment_words_per_lane(ctx.d, bits)
+    out = []
+    for tau in (r // TILE, r // TILE + 1):
+        w = words[blk, h, tau * 32 * nw:(tau + 1) * 32 * nw].reshape(32, nw)
+        out.append(assemble_a(unpack_tile(w, bits, ctx.d, ctx.act)))
+    return np.stack(out)
+
+
+def _warp_chunk(ctx: _Ctx, warp: _Warp, qsc: np.ndarray, q_fp: np.ndarray, kt: int, k1: int, pos: np.ndarray,
+                live: np.ndarray, quant: bool, blk: int, h: int, slot: int, s: int, k_chunk: np.ndarray,
+                v_chunk: np.ndarray) -> None:
+    """One 32-key chunk [kt, kt + 32) of one warp: S MMA, mask, online softmax, P V MMA (+ biases)."""
+    d, act, cfg = ctx.d, ctx.act, ctx.cfg
+    nvg = d // ctx.gv
+    if quant:
+        r = kt % cfg.block_size
+        ak = _quantized_tiles(ctx, "keys", blk, h, r)  # [2, D/16, 16 keys, 16 ch]
+        av = _quantized_tiles(ctx, "values", blk, h, r)  # [2, D/16, 16 ch, 16 keys]
+        grp = r // cfg.group_size
+        sk, zk = ctx.ks[blk, h, grp], ctx.kz[blk, h, grp]  # [D]
+        alpha_k, beta_k = code_affine(act, cfg.k_bits)
+        qp = _round_to(_f32(_f32(qsc * sk[None]) * _f32(1.0 / beta_k)), act)  # q' [N, D] (rows = heads)
+        # score bias per head: lane partials over its channels (fma z*qsc, then -alpha*q'), xor-shuffle over t
+        bias = np.zeros(N, np.float32)
+        lane_part = np.zeros((4, N), np.float32)
+        for blk16 in range(d // 16):
+            for reg in range(2):
+                for half in range(2):
+                    ch = 16 * blk16 + 8 * reg + 2 * np.arange(4) + half  # per t
+                    lane_part = _fma(qsc[:, ch].T, zk[ch][:, None], lane_part)
+                    lane_part = _fma(-alpha_k, qp[:, ch].T, lane_part)
+        bias = _tree_sum(lane_part, 0)
+        bq = qp.T  # B of S: [D (k), N]
+        rows_v = r + np.arange(CHUNK)
+        sv, zv = ctx.vs[blk, h, rows_v], ctx.vz[blk, h, rows_v]  # [32 keys, groups]
+        alpha_v, beta_v = code_affine(act, cfg.v_bits)
+    else:
+        keys = kt + np.arange(CHUNK)
+        kr = np.zeros((CHUNK, d), np.float32)
+        vr = np.zeros((CHUNK, d), np.float32)
+        for i, t in enumerate(keys):  # window rows t % W (t < s), chunk rows (t < k1), zeros past k1
+            if t < s:
+                kr[i], vr[i] = ctx.kwin[slot, h, t % ctx.kwin.shape[2]], ctx.vwin[slot, h, t % ctx.kwin.shape[2]]
+            elif t < k1:
+                kr[i], vr[i] = k_chunk[t - s, h], v_chunk[t - s, h]
+        ak = kr.reshape(2, 16, d // 16, 16).transpose(0, 2, 1, 3)  # [2, D/16, 16 keys, 16 ch]
+        av = vr.reshape(2, 16, d // 16, 16).transpose(0, 2, 3, 1)  # [2, D/16, 16 ch, 16 keys]
+        bias = np.zeros(N, np.float32)
+        bq = q_fp.T
+    sc = np.zeros((CHUNK, N), np.float32)
+    for tau in range(2):
+        c = np.zeros((16, N), np.float32)
+        for kb in range(d // 16):
+            c = _mma(c, ak[tau, kb], bq[16 * kb:16 * kb + 16])
+        sc[16 * tau:16 * tau + 16] = _f32(c + bias[None])
+    key = kt + np.arange(CHUNK)
+    visible = (key[:, None] < k1) & (key[:, None] <= pos[None, :]) & live[None, :]
+    sc = np.where(visible, sc, -np.inf).astype(np.float32)
+    m_new = np.maximum(warp.m, sc.max(axis=0))
+    finite = m_new != -np.inf
+    with np.errstate(invalid="ignore", over="ignore"):
+        alpha = np.where(finite, np.exp(warp.m - m_new), 1.0).astype(np.float32)
+        p = np.where(finite[None], np.exp(sc - m_new[None]), 0.0).astype(np.float32)  # [32 keys, N]
+    warp.m = m_new
+    warp.l_part = _f32(warp.l_part * alpha[None])
+    warp.o = _f32(warp.o * alpha[None])
+    warp.vb_part = _f32(warp.vb_part * alpha[None, None])
+    for tau in range(2):
+        pt = p[16 * tau:16 * tau + 16]  # [16 keys, N]
+        for half in range(2):  # lane g sums keys g then g + 8
+            warp.l_part = _f32(warp.l_part + pt[8 * half:8 * half + 8])
+        for vg in range(nvg):
+            if quant:
+                svt, zvt = sv[16 * tau:16 * tau + 16, vg], zv[16 * tau:16 * tau + 16, vg]
+                pp = _round_to(_f32(_f32(pt * svt[:, None]) * _f32(1.0 / beta_v)), act)  # P'' [16, N]
+                for half in range(2):  # lane g: keys g, g + 8: fma(z, p, vb), then -alpha * P''
+                    ks_ = slice(8 * half, 8 * half + 8)
+                    warp.vb_part[:, vg] = _fma(zvt[ks_, None], pt[ks_], warp.vb_part[:, vg])
+                    warp.vb_part[:, vg] = _fma(-alpha_v, pp[ks_], warp.vb_part[:, vg])
+            else:
+                pp = _round_to(pt, act)
+            bp = p_to_b_fragment(pp)  # through the lanes: equals pp
+            for cb in range(vg * ctx.gv // 16, (vg + 1) * ctx.gv // 16):
+                warp.o[16 * cb:16 * cb + 16] = _mma(warp.o[16 * cb:16 * cb + 16], av[tau, cb], bp)
+
+
+def warp_ranges(k0: int, k1: int) -> list[tuple[int, int]]:
+    """Contiguous 32-key chunk ranges [a, b) of the 4 warps over the split's keys [k0, k1)."""
+    n = -(-(k1 - k0) // CHUNK)
+    per = -(-n // WARPS)
+    return [(k0 + CHUNK * min(w * per, n), k0 + CHUNK * min((w + 1) * per, n)) for w in range(WARPS)]
+
+
+def cta(ctx: _Ctx, qrows: np.ndarray, live: np.ndarray, pos: np.ndarray, k0: int, k1: int, nq: int,
+        table_row: torch.Tensor, h: int, slot: int, s: int, k_chunk: np.ndarray, v_chunk: np.ndarray
+        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One CTA: qrows [8, D] (zeros for dead rows) over keys [k0, k1) -> merged (m [8], l [8], O [8, D])."""
+    d = ctx.d
+    smscale = np.float32(1.0 / math.sqrt(d))
+    qsc = _f32(qrows * smscale)
+    q_fp = _round_to(qsc, ctx.act)  # B of S for full-precision keys
+    results = []
+    for a, b in warp_ranges(k0, k1):
+        warp = _Warp(d, d // ctx.gv)
+        for kt in range(a, b, CHUNK):
+            quant = kt < nq
+            blk = int(table_row[kt // ctx.cfg.block_size]) if quant else -1
+            _warp_chunk(ctx, warp, qsc, q_fp, kt, k1, pos, live, quant, blk, h, slot, s, k_chunk, v_chunk)
+        results.append(warp.finish(ctx.gv))
+    # merge the warps once (shared memory in the kernel)
+    ms = np.stack([r[0] for r in results])  # [4, N]
+    mx = ms.max(axis=0)
+    with np.errstate(invalid="ignore"):
+        f = np.where(ms == -np.inf, 0.0, np.exp(ms - mx[None])).astype(np.float32)
+    lsum = np.zeros(N, np.float32)
+    o = np.zeros((d, N), np.float32)
+    for w, (_, lw, ow) in enumerate(results):
+        lsum = _fma(lw, f[w], lsum)
+        o = _fma(ow, f[w][None], o)
+    return mx, lsum, o.T
+
+
+# ---------------------------------------------------------------------------------------------- the step
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tensor, past_len: torch.Tensor,
+              chunk_len: torch.Tensor, block_table: torch.Tensor, buffers: KiviBuffers, cfg: KiviConfig,
+              max_chunk_len: int = 0, max_seq_len: int = 0, num_sms: int = 0, ctas_per_sm: int = 0
+              ) -> tuple[torch.Tensor, LaunchPlan, int]:
+    """The attend half of a step as kiviDecodeMmaKernel + kiviCombineKernel compute it -> (out, plan, error bits).
+    Buffers are not modified; rows of invalid sequences and rows no sequence covers are zero."""
+    tokens, nh, d = q.shape
+    num_blocks, hkv = buffers.k_codes.shape[:2]
+    batch = slot_ids.shape[0]
+    plan = launch_plan(cfg, nh, hkv, d, batch, tokens, block_table.shape[1], max_chunk_len, max_seq_len, num_sms,
+                       ctas_per_sm)
+    slots, pasts, chunks = slot_ids.tolist(), past_len.tolist(), chunk_len.tolist()
+    infos, flag = prepare(plan, cfg, slots, pasts, chunks, block_table, tokens, num_blocks,
+                          buffers.k_window.shape[0])
+    grp, act = plan.group_heads, q.dtype
+    ctx = _Ctx(buffers, cfg, act, d)
+    out = np.zeros((tokens, nh, d), np.float32)
+    ml = np.zeros((tokens, nh, plan.num_splits, 2), np.float32)
+    part = np.zeros((tokens, nh, plan.num_splits, d), np.float32)
+    qf, kf, vf = q.float().numpy(), k.float().numpy(), v.float().numpy()
+    tile_offsets = [i.tile_offset for i in infos]
+    for tile in range(plan.num_tiles):
+        b = max(i for i in range(batch) if tile_offsets[i] <= tile)  # findSequence
+        info = infos[b]
+        if tile >= info.tile_offset + info.tile_count or not info.valid:
+            continue
+        s, c, slot = pasts[b], chunks[b], slots[b]
+        rho = (tile - info.tile_offset) * N + np.arange(N)  # flattened rows of the chunk
+        live = rho < c * grp
+        r_tok, r_head = np.where(live, rho // grp, 0), np.where(live, rho % grp, 0)
+        key_end = s + int(r_tok[live].max()) + 1
+        nq = cfg.num_quantized(s)
+        tok = info.token_offset
+        k_chunk, v_chunk = kf[tok:tok + c], vf[tok:tok + c]
+        pos = s + r_tok
+        for h in range(hkv):
+            qrows = np.where(live[:, None], qf[tok + r_tok, h * grp + r_head], 0.0).astype(np.float32)
+            for split in range(plan.num_splits):
+                k0 = split * info.split_len
+                if k0 >= key_end:
+                    continue
+                k1 = min(k0 + info.split_len, key_end)
+                m, lsum, o = cta(ctx, qrows, live, pos, k0, k1, nq, block_table[b], h, slot, s, k_chunk, v_chunk)
+                for n in np.nonzero(live)[0]:
+                    t_, hd = tok + r_tok[n], h * grp + r_head[n]
+                    if plan.num_splits == 1:
+                        out[t_, hd] = o[n] / (lsum[n] if lsum[n] > 0 else 1.0)
+                    else:
+                        ml[t_, hd, split] = (m[n], lsum[n])
+                        part[t_, hd, split] = o[n]
+    if plan.num_splits > 1:  # kiviCombineKernel
+        for b, info in enumerate(infos):
+            if not info.valid:
+                continue
+            for i in range(chunks[b]):
+                used = (pasts[b] + i) // info.split_len + 1
+                mm, ll = ml[info.token_offset + i, :, :used, 0], ml[info.token_offset + i, :, :used, 1]
+                m_max = mm.max(axis=1, keepdims=True)
+                with np.errstate(invalid="ignore"):
+                    wgt = np.where(mm == -np.inf, 0.0, np.exp(mm - m_max)).astype(np.float32)  # [H, used]
+                l_tot = (ll * wgt).sum(axis=1)
+                a = (part[info.token_offset + i, :, :used] * wgt[..., None]).sum(axis=1)
+                out[info.token_offset + i] = a / np.where(l_tot > 0, l_tot, 1)[:, None]
+    return torch.from_numpy(out).to(act), plan, flag
+
+
+# ---------------------------------------------------------------------------------------------- tolerance
+
+
+def history_stats(buffers: KiviBuffers, cfg: KiviConfig, slot: int, table_row: torch.Tensor, past: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The stored state after `past` tokens as the kernel sees it: K, V [Hkv, past, D] dequantized in fp32 WITHOUT
+    the reference's rounding to the activation dtype (window rows as stored), and the per-key, per-channel K and V
+    scales [Hkv, past, D] (0 for full-precision keys)."""
+    from ..reference.kv import dequantize_keys, dequantize_values
+    _, hkv, w, d = buffers.k_window.shape
+    n_q = cfg.num_quantized(past)
+    ks, vs, kss, vss = [], [], [], []
+    if n_q:
+        nb = -(-n_q // cfg.block_size)
+        blocks = table_row[:nb].long()
+        cat = lambda t: t[blocks].permute(1, 0, 2, 3).reshape(hkv, -1, t.shape[-1])  # noqa: E731
+        kc, ksc, kz = (cat(t) for t in buffers[0:3])
+        vc, vsc, vz = (cat(t) for t in buffers[3:6])
+        ks.append(dequantize_keys(kc, ksc, kz, cfg, n_q, d, torch.float32))
+        vs.append(dequantize_values(vc[:, :n_q], vsc[:, :n_q], vz[:, :n_q], cfg, d, torch.float32))
+        kss.append(ksc[:, : n_q // cfg.group_size].float().repeat_interleave(cfg.group_size, 1))
+        vss.append(vsc[:, :n_q].float().repeat_interleave(cfg.value_group_size(d), 2))
+    rows = torch.arange(n_q, past) % w
+    ks.append(buffers.k_window[slot][:, rows].float())
+    vs.append(buffers.v_window[slot][:, rows].float())
+    kss.append(torch.zeros(hkv, past - n_q, d))
+    vss.append(torch.zeros(hkv, past - n_q, d))
+    return tuple(torch.cat(x, dim=1) for x in (ks, vs, kss, vss))  # type: ignore[return-value]
+
+
+def attention_tolerance(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, ks_all: torch.Tensor,
+                        vs_all: torch.Tensor, past: int, cfg: KiviConfig, act: torch.dtype) -> torch.Tensor:
+    """A bound on |kernel - reference| for one sequence's chunk, from the folded rounding (first order in u, the
+    unit roundoff of act: 2^-11 fp16, 2^-8 bf16; e = 2^-23, fp32 accumulation with truncation).
+
+    q [c, H, D] at positions past..past+c-1; k_all/v_all [Hkv, past + c, D] the fp32 K/V the kernel folds (history
+    unrounded, then window and chunk rows); ks_all/vs_all [Hkv, past + c, D] the per-key K/V scales (0 where full
+    precision). Per (query row n, key i), with qsc = q / sqrt(D), b = bits:
+      score error  d_i <= 2u sum|qsc k_i|          (the reference rounds dequantized K to act; the full-precision
+                                                   path rounds qsc to act)
+                        + u sum|qsc| (2^b - 1) s_i   (q' = rnd(qsc s 2^b): only the code part c s survives, the
+                                                   '1' of each converted code cancels with the same rounded q')
+                        + (D/16 + D/2 + 4) e sum|qsc| s_i (2^(b+1) - 1)   (fp32 sums of the uncancelled terms)
+      softmax:     |d out| <= exp(max d) sum_i p_i (exp(d_i) - 1) (|v_i| + |out|)   (|v_i - out| bounded by the sum)
+      values:      + u sum_i p_i (2 |v_i| + (2^b - 1) vs_i)   (P'' = rnd(p vs 2^b), the reference's rounding of V
+                                                   to act, the full-precision path's rnd(p))
+                   + (keys/16 + 8) e sum_i p_i (vs_i (2^(b+1) - 1) + |v_i|)   (fp32 accumulation of O)
+      output:      + one ulp of act at |out| (each side rounds once) + 2^-20 max|v| (exp, rescaling, merges).
+    Returns tol [c, H, D] (float32)."""
+    c, nh, d = q.shape
+    hkv = k_all.shape[0]
+    grp = nh // hkv
+    u = UNIT_ROUNDOFF[act]
+    e = 2.0 ** -23
+    qsc = q.double().permute(1, 0, 2).reshape(hkv, grp * c, d) / math.sqrt(d)  # [Hkv, grp*c, D] rows (head, token)
+    k, v, ks, vs = (x.double() for x in (k_all, v_all, ks_all, vs_all))
+    aq = qsc.abs()
+    lk = 2 ** cfg.k_bits
+    lv = 2 ** cfg.v_bits
+    delta = (2 * u * (aq @ k.abs().transpose(1, 2)) + u * (lk - 1) * (aq @ ks.transpose(1, 2))
+             + (d / 16 + d / 2 + 4) * e * (2 * lk - 1) * (aq @ ks.transpose(1, 2)))  # [Hkv, rows, keys]
+    scores = qsc @ k.transpose(1, 2)
+    n = k.shape[1]
+    pos = past + torch.arange(c).repeat(grp)  # rows are (head-in-group, token)
+    mask = torch.arange(n)[None, :] > pos[:, None]
+    scores = scores.masked_fill(mask[None], float("-inf"))
+    p = torch.softmax(scores, dim=-1)  # [Hkv, rows, keys]
+    out = p @ v  # [Hkv, rows, D]
+    dmax = delta.masked_fill(mask[None], 0).amax(dim=-1, keepdim=True)
+    w = (p * torch.expm1(delta)).masked_fill(mask[None], 0)
+    # sum_i w_i |v_i - out| <= w @ |v| + |out| sum_i w_i (no [rows, keys, D] temporary for long contexts)
+    tol = torch.exp(dmax) * (w @ v.abs() + out.abs() * w.sum(dim=-1, keepdim=True))
+    tol = tol + u * (p @ (2 * v.abs() + (lv - 1) * vs)) + (n / 16 + 8) * e * (p @ (vs * (2 * lv - 1) + v.abs()))
+    out_act = out.to(act).float()
+    mant = MANTISSA[act]
+    ulp = torch.exp2(torch.floor(torch.log2(out_act.abs().clamp_min(2.0 ** -14))) - mant)
+    tol = tol + ulp.double() + 2.0 ** -20 * v.abs().max()
+    return tol.reshape(hkv, grp, c, d).permute(2, 0, 1, 3).reshape(c, nh, d).float()
+
+
+def step_tolerance(buffers_before: KiviBuffers, cfg: KiviConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   slot_ids: torch.Tensor, past_len: torch.Tensor, chunk_len: torch.Tensor,
+                   block_table: torch.Tensor) -> torch.Tensor:
+    """attention_tolerance for every sequence of a ragged step (CPU tensors), from the buffers before the step."""
+    tol = torch.zeros(q.shape)
+    off = 0
+    for b in range(len(chunk_len)):
+        c, s = int(chunk_len[b]), int(past_len[b])
+        if c == 0:
+            continue
+        kh, vh, ksh, vsh = history_stats(buffers_before, cfg, int(slot_ids[b]), block_table[b], s)
+        kc, vc = k[off:off + c].transpose(0, 1).float(), v[off:off + c].transpose(0, 1).float()
+        z = torch.zeros_like(kc)
+        tol[off:off + c] = attention_tolerance(q[off:off + c], torch.cat([kh, kc], 1), torch.cat([vh, vc], 1),
+                                               torch.cat([ksh, z], 1), torch.cat([vsh, z], 1), s, cfg, q.dtype)
+        off += c
+    return tol
