@@ -301,7 +301,7 @@ class CpuBackend(AttentionBackend):
                                    step.chunk_len, step.block_table, c.layers[layer], c.cfg)
 
 
-def _cpu_unavailable(device: torch.device, head_dim: int | None = None) -> str | None:
+def _cpu_unavailable(device: torch.device, head_dim: int | None = None, quantized: bool = True) -> str | None:
     """Why the native CPU kernels cannot serve a cache on `device` (None: they can)."""
     if device.type != "cpu":
         return f"the cpu backend needs device cpu; the cache is on {device}"
@@ -309,7 +309,7 @@ def _cpu_unavailable(device: torch.device, head_dim: int | None = None) -> str |
         return f"the native CPU kernels take head_dim 64 or 128, not {head_dim}"
     from .cpu import unavailable_reason
 
-    return unavailable_reason()
+    return unavailable_reason(quantized)
 
 
 BACKENDS: dict[str, type[AttentionBackend]] = {"reference": ReferenceBackend, "memo": MemoBackend,
@@ -469,7 +469,7 @@ class FullCache(KVCache):
         shape = (max_slots, geom.num_kv_heads, max_seq_len, geom.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(geom.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(geom.num_layers)]
-        why = _cpu_unavailable(self.device, geom.head_dim)
+        why = _cpu_unavailable(self.device, geom.head_dim, quantized=False)
         if backend in (None, "auto"):
             backend = "cpu" if why is None else "torch"
         if backend not in ("torch", "cpu"):

@@ -8,8 +8,9 @@
 from ._abi import KiviCpuLibrary, find_library, load_library
 
 
-def unavailable_reason() -> str | None:
-    """Why the native library cannot serve this package's format (None: it can)."""
+def unavailable_reason(quantized: bool = True) -> str | None:
+    """Why the native library cannot serve this package's format (None: it can). quantized=False: the unquantized
+    cache's dense kernel, which reads no quantized store and so does not depend on the FORMAT_VERSION."""
     from ..format import FORMAT_VERSION
 
     if find_library() is None:
@@ -18,7 +19,7 @@ def unavailable_reason() -> str | None:
         lib = load_library()
     except (OSError, RuntimeError) as e:
         return f"the native CPU library does not load: {e}"
-    if lib.format_version() != FORMAT_VERSION:
+    if quantized and lib.format_version() != FORMAT_VERSION:
         return (f"the native CPU library implements FORMAT_VERSION {lib.format_version()}, this package stores "
                 f"FORMAT_VERSION {FORMAT_VERSION}")
     return None
