@@ -91,7 +91,12 @@ def test_misaligned_chunk_differs(tiny):
 
 
 @pytest.mark.parametrize("cfg", [KIVI2, KiviConfig(k_bits=4, v_bits=2, residual_length=32),
-                                 KiviConfig(key_grouping="per_token", residual_length=32, block_size=64)])
+                                 KiviConfig(key_grouping="per_token", residual_length=32, block_size=64),
+                                 # FORMAT_VERSION 2 options: sinks (flushes at S + R + kG), rotation per layer
+                                 KiviConfig(residual_length=32, sink_tokens=4, k_rotation="hadamard",
+                                            v_rotation="hadamard"),
+                                 KiviConfig(residual_length=32, sink_tokens=45, k_rotation=("hadamard", "none"),
+                                            v_rotation=("none", "hadamard"))])
 def test_memo_cache_is_bit_identical(tiny, cfg):
     model, tokens = tiny
     a, b = kivi_runner(model, cfg, 2), kivi_runner(model, cfg, 2, cls=MemoKiviCache)

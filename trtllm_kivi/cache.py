@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from .format import Geometry, KiviConfig
-from .reference.attention import KiviBuffers, attend, history, kivi_attention_
+from .reference.attention import KiviBuffers, attend, full_precision_rows, history, kivi_attention_
 
 
 class CacheCapacityError(ValueError):
@@ -120,6 +120,7 @@ class KiviCache(_SlotCache):
                  num_blocks: int | None = None) -> None:
         super().__init__(geom, max_slots, max_seq_len, dtype, device)
         cfg.check_head_dim(geom.head_dim)
+        cfg.check_num_layers(geom.num_layers)
         self.cfg = cfg
         self.max_blocks_per_seq = max(1, math.ceil(cfg.num_quantized(max_seq_len) / cfg.block_size))
         self.num_blocks = max_slots * self.max_blocks_per_seq if num_blocks is None else num_blocks
@@ -184,14 +185,18 @@ class KiviCache(_SlotCache):
             per_row = {n: self.cfg.block_size // getattr(buf, n).shape[2] for n in state}
             for n in state:
                 state[n][-1, :, tail // per_row[n]:] = 0
-        w = self.cfg.window_capacity
-        rows = torch.arange(n_q, t) % w
+        rows = full_precision_rows(self.cfg, t)  # sinks, then the ring's live tokens, in token order
         state["k_window"] = buf.k_window[slot][:, rows].clone()
         state["v_window"] = buf.v_window[slot][:, rows].clone()
         return state
 
+    def rotations(self, layer: int) -> tuple[str, str]:
+        """(k_rotation, v_rotation) of a layer: what the model applies around the op (format.py)."""
+        return self.cfg.k_rotation_of(layer), self.cfg.v_rotation_of(layer)
+
     def dequantized(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The full-precision view of a sequence's stored K/V [Hkv, T, D] (history as attention sees it)."""
+        """The full-precision view of a sequence's stored K/V [Hkv, T, D] (history as attention sees it; rotated
+        when the layer's rotation is on)."""
         return history(self.layers[layer], self.cfg, slot, self.block_tables[slot], self.seq_len(slot))
 
 
@@ -223,6 +228,9 @@ class FullCache(_SlotCache):
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def rotations(self, layer: int) -> tuple[str, str]:
+        return "none", "none"
 
     def dequantized(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.seq_len(slot)

@@ -53,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--passkey-seed", type=int, default=0)
     k.add_argument("--passkey-max-config-lengths", type=int, default=0, help="run the non-reference configurations "
                    "at only this many (the longest) of the lengths the reference passes (default 0: all)")
+    r = p.add_argument_group("recipe table (--recipes) and recipe search (--recommend)")
+    r.add_argument("--recipes", action="store_true", help="the recipe table: per-segment results cached in "
+                   "<out-dir>/<name>.cache.jsonl (a rerun resumes), paired bootstrap 95%% CIs of dPPL and KL over "
+                   "segments, bits/element at 2K/8K/32K, passkey at the lengths the reference passes")
+    r.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default 2000)")
     p.add_argument("--no-memo", action="store_true", help="use the plain reference KIVI attention (slower; same "
                    "results bit for bit)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
@@ -84,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     setup = QualitySetup(args.segments, args.segment_len, args.prefix, 32, args.offset, args.batch)
     lengths, depths = _ints(args.passkey_lengths), _floats(args.passkey_depths)
+    if args.recipes:
+        return _run_recipes(args, specs, setup, tasks, lengths, depths)
 
     t0 = time.time()
     model, tok, cfg = load_model(args.model, args.dtype)
@@ -150,3 +157,61 @@ def _write(args, result: dict, specs) -> None:
         result["error_growth_plot"] = png.name
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / f"{args.name}.md").write_text(md)
+
+
+def _run_recipes(args: argparse.Namespace, specs: dict, setup, tasks: list[str], lengths: list[int],
+                 depths: list[float]) -> int:
+    """--recipes: the resumable recipe table (eval/recipes.py)."""
+    from ..eval import corpus
+    from ..eval.recipes import ResultCache, passkey_cells, recipe_markdown, recipe_table, score_segments
+    from ..eval.suite import passkey_prompts
+    from ..models import load_model, resolve_model
+
+    if not args.out_dir:
+        raise ValueError("--recipes needs --out-dir (its per-segment cache lives there)")
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    model, tok, cfg = load_model(args.model, args.dtype)
+    if args.text:
+        text, text_info = Path(args.text).read_text(encoding="utf-8"), {"file": str(args.text)}
+    else:
+        text, text_info = corpus.load_corpus(), corpus.describe()
+    ids = tok.encode(text, add_special_tokens=False)
+    flush = sorted({(s.kivi.sink_tokens + s.kivi.residual_length, s.kivi.group_size)
+                    for s in specs.values() if s.kivi})  # what the shared chunk plan depends on
+    fingerprint = {"model": str(resolve_model(args.model)), "dtype": args.dtype, "text": text_info,
+                   "segment_len": setup.segment_len, "prefix": setup.prefix, "offset": setup.offset,
+                   "flush": flush, "passkey_seed": args.passkey_seed, "memo": not args.no_memo}
+    cache = ResultCache(out / f"{args.name}.cache.jsonl", fingerprint)
+    log = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True)  # noqa: E731
+    log(f"{len(cache.rows)} cached results; configurations: {', '.join(specs)}")
+    segs = score_segments(model, specs, ids, setup, cache, args.reference, not args.no_memo, log) \
+        if "ppl" in tasks else None
+    pk = None
+    if "passkey" in tasks:
+        encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+        prompts = passkey_prompts(encode, lengths, depths, args.passkey_seed)
+        pk = passkey_cells(model, specs, prompts, cache, args.reference, args.passkey_max_config_lengths,
+                           not args.no_memo, log)
+    if segs is None:
+        print(json.dumps(pk, indent=1))
+        return 0
+    table = recipe_table(specs, segs, cfg.geometry, args.reference, setup, pk, args.bootstrap)
+    table |= {"model": {"name": cfg.name, "source": str(resolve_model(args.model)), "dtype": args.dtype,
+                        "max_seq_len": cfg.max_seq_len, "n_layers": cfg.n_layers},
+              "corpus": text_info | {"tokens": len(ids)}, "kv": {n: s.describe() for n, s in specs.items()},
+              "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
+                          "torch": torch.__version__, "threads": torch.get_num_threads()},
+              "seconds_this_run": round(time.time() - t0, 1)}
+    title = (f"{cfg.name} ({Path(str(resolve_model(args.model))).name}; GGUF Q4_1 weights dequantized to "
+             f"{args.dtype}, 8K context), {setup.segments} segments x {setup.segment_len} tokens of "
+             f"{text_info.get('text', text_info.get('file'))} from corpus token {setup.offset}, first "
+             f"{setup.prefix} prefilled, decode-mode scoring; CIs: paired bootstrap over segments "
+             f"({args.bootstrap} resamples); bits/element include scales/zeros, sinks and the fp16 window "
+             f"(format.kivi_total_bytes); passkey at lengths {table['passkey']['eval_lengths'] if pk else '—'}.")
+    md = recipe_markdown(table, title)
+    (out / f"{args.name}.json").write_text(json.dumps(table, indent=1) + "\n")
+    (out / f"{args.name}.md").write_text(md)
+    print(md)
+    return 0

@@ -15,7 +15,7 @@ import math
 import torch
 
 from ..cache import KiviCache, Step
-from ..reference.attention import _blocks_of, append, attend, check_step
+from ..reference.attention import _blocks_of, _rows, append, attend, check_step
 from ..reference.kv import dequantize_keys, dequantize_values
 
 
@@ -61,7 +61,6 @@ class MemoKiviCache(KiviCache):
         """Same contract and result as KiviCache.attention (attend, then append)."""
         buf, cfg = self.layers[layer], self.cfg
         check_step(q, k, v, step.slot_ids, step.past_len, step.chunk_len, step.block_table, buf, cfg)
-        w = cfg.window_capacity
         out = torch.empty_like(q)
         off = 0
         for b, (slot, s, c) in enumerate(zip(step.slots, step.past, step.chunk)):
@@ -69,15 +68,15 @@ class MemoKiviCache(KiviCache):
                 continue
             rows = slice(off, off + c)
             kc, vc = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [Hkv, c, D]
-            n_q = cfg.num_quantized(s)
-            win = torch.arange(n_q, s) % w
+            n_q, s0 = cfg.num_quantized(s), min(cfg.sink_tokens, s)
+            sink, ring = slice(0, s0), _rows(cfg, s0 + n_q, s)  # token order: sinks, store, ring, chunk
             if n_q:
                 kq, vq = self._quantized_history(layer, slot, step.block_table[b], n_q)
-                kh = torch.cat([kq, buf.k_window[slot][:, win], kc], dim=1)
-                vh = torch.cat([vq, buf.v_window[slot][:, win], vc], dim=1)
+                kh = torch.cat([buf.k_window[slot][:, sink], kq, buf.k_window[slot][:, ring], kc], dim=1)
+                vh = torch.cat([buf.v_window[slot][:, sink], vq, buf.v_window[slot][:, ring], vc], dim=1)
             else:
-                kh = torch.cat([buf.k_window[slot][:, win], kc], dim=1)
-                vh = torch.cat([buf.v_window[slot][:, win], vc], dim=1)
+                kh = torch.cat([buf.k_window[slot][:, sink], buf.k_window[slot][:, ring], kc], dim=1)
+                vh = torch.cat([buf.v_window[slot][:, sink], buf.v_window[slot][:, ring], vc], dim=1)
             out[rows] = attend(q[rows], kh, vh, s)
             append(buf, cfg, slot, step.block_table[b], s, kc, vc)
             off += c

@@ -2,6 +2,7 @@
 
 from .attention import KiviBuffers, append, attend, check_step, history, kivi_attention, kivi_attention_
 from .kv import dequantize_keys, dequantize_values, quantize_keys, quantize_values
+from .rotation import hadamard, rotate, unrotate
 from .quant import (dequantize_along, dequantize_groups, pack, quantize_along, quantize_groups, torch_dtype,
                     unpack)
 
@@ -9,4 +10,5 @@ __all__ = [
     "KiviBuffers", "append", "attend", "check_step", "history", "kivi_attention", "kivi_attention_",
     "dequantize_keys", "dequantize_values", "quantize_keys", "quantize_values",
     "dequantize_along", "dequantize_groups", "pack", "quantize_along", "quantize_groups", "torch_dtype", "unpack",
+    "hadamard", "rotate", "unrotate",
 ]
