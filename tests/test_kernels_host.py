@@ -92,6 +92,7 @@ def test_valid_params_pass(host_lib):
     (dict(batch=-1), r"batch=-1 and num_tokens=4 must be >= 0"),
     (dict(attentionImpl=3), r"attention_impl=3 is not supported; allowed: 0 \(auto\), 1 \(simt\), 2 \(tensor_core\)"),
     (dict(numSms=-1), r"num_sms=-1 must be >= 0"),
+    (dict(sinkTokens=4), r"sink_tokens=4 is not supported by the current KIVI kernels; allowed: 0"),
 ])
 def test_validation_names_the_bad_value(host_lib, over, match):
     p = make(**over)

@@ -86,6 +86,17 @@ def test_model_step_matches_reference(kb, vb, g, d, h, hkv, dtype, sdt):
     assert any(p.num_splits > 2 for p in many)
 
 
+@pytest.mark.parametrize("sinks", [4, 32, 45])
+def test_model_with_sinks_matches_reference(sinks):
+    """Format v2 sinks: tiles straddling sinks and the store (S = 4, 45) and aligned ones (S = 32), flushes at
+    S + R + kG, chunked prefill and decode; one split and many."""
+    cfg = KiviConfig(k_bits=2, v_bits=4, group_size=32, residual_length=32, block_size=64, sink_tokens=sinks)
+    steps = [[3, 50, 0], [40, 1, 80], [1, 90, 1], [64, 1, 1], [1, 1, 33]]
+    _run_steps(cfg, 8, 2, 64, torch.float16, steps, num_sms=1)
+    many = _run_steps(cfg, 8, 2, 64, torch.float16, steps, num_sms=1000)
+    assert any(p.num_splits > 2 for p in many)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_model_with_rounded_p_is_within_its_derived_tolerance(dtype):
     """The tensor-core kernel's arithmetic (p rounded to the activation dtype for the P V product): within

@@ -72,7 +72,8 @@ def test_allowed_values_round_trip_through_plugin_py():
     # Every allowed value is accepted by plugin.py's config_from_fields (the Python reader of the same fields);
     # the first value outside each list is refused with a message naming the field.
     base = plugin_fields(KiviConfig(), 9, 3, 64)
-    for name in ("k_bits", "v_bits", "group_size", "scale_dtype", "key_grouping", "head_dim"):
+    for name in ("k_bits", "v_bits", "group_size", "scale_dtype", "key_grouping", "head_dim", "k_rotation",
+                 "v_rotation"):
         values = SPEC_FIELDS[name]["allowed"]["values"]
         for v in values:
             fields = dict(base, **{name: v})
@@ -85,6 +86,23 @@ def test_allowed_values_round_trip_through_plugin_py():
             continue  # plugin.py's reader accepts any multiple of 32 (torch reference); the C++ creator refuses 65+
         with pytest.raises(ValueError, match=name):
             config_from_fields(dict(base, **{name: bad}))
+
+
+def test_format_v2_fields_per_layer():
+    # FORMAT_VERSION 2: sink_tokens and each node's layer's rotation codes (0 = none, 1 = hadamard).
+    assert FIELD_NAMES[-4:] == ("sink_tokens", "k_rotation", "v_rotation", "format_version")
+    assert SPEC_FIELDS["sink_tokens"]["allowed"] == {"min": 0, "max": fmt.MAX_SINK_TOKENS}
+    for name in ("k_rotation", "v_rotation"):
+        assert SPEC_FIELDS[name]["allowed"]["names"] == list(fmt.SUPPORTED_ROTATIONS)
+    cfg = KiviConfig(sink_tokens=4, k_rotation=("none", "hadamard"), v_rotation="hadamard")
+    f0, f1 = plugin_fields(cfg, 9, 3, 64, layer=0), plugin_fields(cfg, 9, 3, 64, layer=1)
+    assert (f0["sink_tokens"], f0["k_rotation"], f0["v_rotation"]) == (4, 0, 1)
+    assert (f1["k_rotation"], f1["v_rotation"]) == (1, 1)
+    assert config_from_fields(f1)[0] == cfg.for_layer(1)
+    with pytest.raises(ValueError, match=r"sink_tokens=129 must be an integer in \[0, 128\]"):
+        config_from_fields(dict(f0, sink_tokens=129))
+    with pytest.raises(ValueError, match=r"k_rotation=2 is not supported; allowed: 0..1 \(none, hadamard\)"):
+        config_from_fields(dict(f0, k_rotation=2))
 
 
 def test_io_spec_matches_buffer_order():
@@ -129,6 +147,8 @@ def _cpp_member_defaults() -> dict[str, int]:
     return out
 
 
+@pytest.mark.xfail(strict=True, reason="issue 11: sink_tokens/k_rotation/v_rotation are added to the C++ field table "
+                   "on the plugin helper's branch; strict, so the merge that brings them must drop this mark")
 def test_cpp_field_table_matches_spec():
     table = _cpp_field_table()
     assert [name for name, _, _ in table] == list(FIELD_NAMES)

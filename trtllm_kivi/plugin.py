@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .format import (FORMAT_VERSION, SUPPORTED_KEY_GROUPINGS, SUPPORTED_SCALE_DTYPES, Geometry, KiviConfig)
+from .format import (FORMAT_VERSION, MAX_SINK_TOKENS, SUPPORTED_KEY_GROUPINGS, SUPPORTED_ROTATIONS,
+                     SUPPORTED_SCALE_DTYPES, Geometry, KiviConfig)
 
 PLUGIN_NAME = "KiviAttention"
 PLUGIN_VERSION = "1"
@@ -39,13 +40,20 @@ FIELDS = (
         f"{i}={n}" for i, n in enumerate(SUPPORTED_SCALE_DTYPES))),
     PluginField("key_grouping", "key grouping code: " + ", ".join(
         f"{i}={n}" for i, n in enumerate(SUPPORTED_KEY_GROUPINGS))),
+    PluginField("sink_tokens", f"S: the first S tokens stay in full precision (0..{MAX_SINK_TOKENS})"),
+    PluginField("k_rotation", "rotation of this node's layer's K (applied outside the op): " + ", ".join(
+        f"{i}={n}" for i, n in enumerate(SUPPORTED_ROTATIONS))),
+    PluginField("v_rotation", "rotation of this node's layer's V (applied outside the op): " + ", ".join(
+        f"{i}={n}" for i, n in enumerate(SUPPORTED_ROTATIONS))),
     PluginField("format_version", "storage format version the engine was built for"),
 )
 FIELD_NAMES = tuple(f.name for f in FIELDS)
 
 
-def plugin_fields(cfg: KiviConfig, num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, int]:
-    """KiviConfig + geometry -> plugin fields / ONNX node attributes (all int32), in FIELDS order."""
+def plugin_fields(cfg: KiviConfig, num_heads: int, num_kv_heads: int, head_dim: int, layer: int = 0
+                  ) -> dict[str, int]:
+    """KiviConfig + geometry -> plugin fields / ONNX node attributes (all int32), in FIELDS order, for the node of
+    `layer` (its k_rotation / v_rotation codes)."""
     Geometry(1, num_heads, num_kv_heads, head_dim)  # validates the geometry
     cfg.check_head_dim(head_dim)
     return {
@@ -59,13 +67,16 @@ def plugin_fields(cfg: KiviConfig, num_heads: int, num_kv_heads: int, head_dim: 
         "block_size": cfg.block_size,
         "scale_dtype": SUPPORTED_SCALE_DTYPES.index(cfg.scale_dtype),
         "key_grouping": SUPPORTED_KEY_GROUPINGS.index(cfg.key_grouping),
+        "sink_tokens": cfg.sink_tokens,
+        "k_rotation": SUPPORTED_ROTATIONS.index(cfg.k_rotation_of(layer)),
+        "v_rotation": SUPPORTED_ROTATIONS.index(cfg.v_rotation_of(layer)),
         "format_version": FORMAT_VERSION,
     }
 
 
 def config_from_fields(fields: dict[str, int]) -> tuple[KiviConfig, int, int, int]:
-    """Inverse of plugin_fields -> (cfg, num_heads, num_kv_heads, head_dim); refuses missing/unknown fields and a
-    format version other than this package's."""
+    """Inverse of plugin_fields -> (cfg, num_heads, num_kv_heads, head_dim), cfg with that node's layer's rotations
+    as plain values; refuses missing/unknown fields and a format version other than this package's."""
     missing = [n for n in FIELD_NAMES if n not in fields]
     unknown = sorted(set(fields) - set(FIELD_NAMES))
     if missing or unknown:
@@ -73,14 +84,17 @@ def config_from_fields(fields: dict[str, int]) -> tuple[KiviConfig, int, int, in
     if fields["format_version"] != FORMAT_VERSION:
         raise ValueError(f"KiviAttention format_version={fields['format_version']} does not match this build's "
                          f"FORMAT_VERSION={FORMAT_VERSION}")
-    for name, allowed in (("scale_dtype", SUPPORTED_SCALE_DTYPES), ("key_grouping", SUPPORTED_KEY_GROUPINGS)):
+    for name, allowed in (("scale_dtype", SUPPORTED_SCALE_DTYPES), ("key_grouping", SUPPORTED_KEY_GROUPINGS),
+                          ("k_rotation", SUPPORTED_ROTATIONS), ("v_rotation", SUPPORTED_ROTATIONS)):
         if not 0 <= fields[name] < len(allowed):
             raise ValueError(f"{name}={fields[name]} is not supported; allowed: 0..{len(allowed) - 1} "
                              f"({', '.join(allowed)})")
     cfg = KiviConfig(k_bits=fields["k_bits"], v_bits=fields["v_bits"], group_size=fields["group_size"],
                      residual_length=fields["residual_length"], block_size=fields["block_size"],
                      scale_dtype=SUPPORTED_SCALE_DTYPES[fields["scale_dtype"]],
-                     key_grouping=SUPPORTED_KEY_GROUPINGS[fields["key_grouping"]])
+                     key_grouping=SUPPORTED_KEY_GROUPINGS[fields["key_grouping"]],
+                     sink_tokens=fields["sink_tokens"], k_rotation=SUPPORTED_ROTATIONS[fields["k_rotation"]],
+                     v_rotation=SUPPORTED_ROTATIONS[fields["v_rotation"]])
     Geometry(1, fields["num_heads"], fields["num_kv_heads"], fields["head_dim"])
     cfg.check_head_dim(fields["head_dim"])
     return cfg, fields["num_heads"], fields["num_kv_heads"], fields["head_dim"]

@@ -8,6 +8,9 @@ It runs the same work split as the GPU code, CTA by CTA, in numpy/torch on the C
     update) and kiviCombineKernel (merge of the splits 0..floor(p / L), L = the sequence's split length);
   - append: kiviFlushKernel + kiviWindowKernel (which G-groups are flushed, from where, into which block/row/word,
     with the kernel's fp32 arithmetic: IEEE division, rint half-to-even).
+Format v2 sinks (format.py) are modelled here ahead of the kernels (whose host validation refuses sink_tokens > 0
+for now): sink rows are a full-precision key source, store index j is token S + j, a tile that straddles sinks
+and the store is loaded key by key with the same arithmetic. Rotation never reaches the op.
 Tested against trtllm_kivi.reference (tests/test_kernels_model.py), so a GPU run only has to confirm the
 CUDA-specific parts (indexing in registers/shared memory, synchronization).
 """
@@ -57,7 +60,7 @@ def launch_plan(cfg: KiviConfig, num_heads: int, num_kv_heads: int, head_dim: in
                 max_blocks_per_seq: int, max_chunk_len: int = 0, max_seq_len: int = 0,
                 num_sms: int = 0) -> LaunchPlan:
     w = cfg.window_capacity
-    capacity = max_blocks_per_seq * cfg.block_size + w
+    capacity = max_blocks_per_seq * cfg.block_size + cfg.sink_tokens + w  # store + sink rows + ring
     msl = max_seq_len if max_seq_len > 0 else capacity
     mcl = max_chunk_len if max_chunk_len > 0 else num_tokens
     grp = num_heads // num_kv_heads
@@ -179,13 +182,34 @@ def prepare(plan: LaunchPlan, cfg: KiviConfig, slot_ids: list[int], past_len: li
 # ---------------------------------------------------------------------------------------------- attention
 
 
+def _dequant_token(buffers: KiviBuffers, cfg: KiviConfig, table_row: torch.Tensor, h: int, j: int, act: torch.dtype
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Store index j (token S + j) alone -> kS/vS rows [D], with the tile loader's arithmetic (magic-number codes,
+    fp32 fma, rounded to act): the path of a tile that straddles the sinks and the store."""
+    d = buffers.k_window.shape[-1]
+    blk, r = int(table_row[j // cfg.block_size]), j % cfg.block_size
+    kpw = codes_per_word(cfg.k_bits)
+    kw = _as_uint32(buffers.k_codes[blk, h, r // kpw])  # [D]: the word holding token r of each channel
+    kc = unpack_magic(kw, cfg.k_bits)[:, r % kpw]  # [D]
+    ks = buffers.k_scale[blk, h, r // cfg.group_size].float().numpy()
+    kz = buffers.k_zero[blk, h, r // cfg.group_size].float().numpy()
+    vc = unpack_magic(_as_uint32(buffers.v_codes[blk, h, r]), cfg.v_bits).reshape(d)
+    gv = cfg.value_group_size(d)
+    vs = buffers.v_scale[blk, h, r].float().numpy().repeat(gv)
+    vz = buffers.v_zero[blk, h, r].float().numpy().repeat(gv)
+    return _round_to((kc * ks).astype(np.float32) + kz, act), _round_to((vc * vs).astype(np.float32) + vz, act)
+
+
 def _key_tile(buffers: KiviBuffers, cfg: KiviConfig, table_row: torch.Tensor, slot: int, h: int, s: int, nq: int,
               kt: int, key_end: int, k_chunk: np.ndarray, v_chunk: np.ndarray, act: torch.dtype
               ) -> tuple[np.ndarray, np.ndarray]:
-    """kS/vS of the 32-key tile starting at kt -> two float32 [32, D]."""
+    """kS/vS of the 32-key tile starting at kt -> two float32 [32, D]. Sources by token t (format.py): sinks
+    t < S at window row t, the store for S <= t < S + nq, the ring row S + (t - S) % W, then the chunk."""
     d = buffers.k_window.shape[-1]
-    if kt < nq:  # loadQuantizedKeys / loadQuantizedValues
-        blk, r = int(table_row[kt // cfg.block_size]), kt % cfg.block_size
+    s0 = cfg.sink_tokens
+    j0 = kt - s0  # store index of the tile's first key
+    if 0 <= j0 and j0 % KEY_TILE == 0 and kt + KEY_TILE <= s0 + nq:  # a whole tile of the store
+        blk, r = int(table_row[j0 // cfg.block_size]), j0 % cfg.block_size
         kpw = codes_per_word(cfg.k_bits)
         kw = _as_uint32(buffers.k_codes[blk, h, r // kpw:r // kpw + KEY_TILE // kpw])  # [32/kpw, D]
         kc = unpack_magic(kw.T, cfg.k_bits).reshape(d, KEY_TILE).T  # [32, D]: word wi, code j -> token wi*kpw+j
@@ -199,15 +223,19 @@ def _key_tile(buffers: KiviBuffers, cfg: KiviConfig, table_row: torch.Tensor, sl
         vz = buffers.v_zero[blk, h, r:r + KEY_TILE].float().numpy().repeat(gv, axis=1)
         vS = _round_to((vc * vs).astype(np.float32) + vz, act)
         return kS, vS
-    kS = np.zeros((KEY_TILE, d), np.float32)  # loadFullPrecision: zeros past key_end
+    kS = np.zeros((KEY_TILE, d), np.float32)  # mixed tile, key by key; zeros past key_end
     vS = np.zeros((KEY_TILE, d), np.float32)
-    w = buffers.k_window.shape[2]
     for j in range(KEY_TILE):
         t = kt + j
-        if t < s:
-            kS[j] = buffers.k_window[slot, h, t % w].float().numpy()
-            vS[j] = buffers.v_window[slot, h, t % w].float().numpy()
-        elif t < key_end:
+        if t >= key_end:
+            break
+        if s0 <= t < s0 + nq:
+            kS[j], vS[j] = _dequant_token(buffers, cfg, table_row, h, t - s0, act)
+        elif t < s:
+            row = cfg.window_row(t)
+            kS[j] = buffers.k_window[slot, h, row].float().numpy()
+            vS[j] = buffers.v_window[slot, h, row].float().numpy()
+        else:
             kS[j], vS[j] = k_chunk[t - s, h], v_chunk[t - s, h]
     return kS, vS
 
@@ -334,7 +362,7 @@ def append(k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tensor, past_len: t
     infos, flag = prepare(plan, cfg, slots, pasts, chunks, block_table, tokens, num_blocks,
                           buffers.k_window.shape[0])
     sdt = torch_dtype(cfg.scale_dtype)
-    g, bs, w = cfg.group_size, cfg.block_size, plan.window_capacity
+    g, bs, w, s0 = cfg.group_size, cfg.block_size, plan.window_capacity, cfg.sink_tokens
     gv = cfg.value_group_size(d)
     kpw = codes_per_word(cfg.k_bits)
     kf, vf = k.float().numpy(), v.float().numpy()
@@ -348,13 +376,14 @@ def append(k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tensor, past_len: t
 
         def rows_of(t0: int, src_k: np.ndarray, src_w: np.ndarray) -> np.ndarray:  # loadHistoryOrChunk
             ts = np.arange(t0, t0 + g)
-            return np.stack([src_w[slot, :, t % w] if t < s else src_k[info.token_offset + t - s] for t in ts],
-                            axis=1)  # [Hkv, G, D]
+            return np.stack([src_w[slot, :, cfg.window_row(t)] if t < s else src_k[info.token_offset + t - s]
+                             for t in ts], axis=1)  # [Hkv, G, D]
 
         for y in range(gy):
             for grp_i in range(y, (q1 - q0) // g, gy):
-                t0 = q0 + grp_i * g
-                blk, r = int(block_table[b, t0 // bs]), t0 % bs
+                j0 = q0 + grp_i * g  # store index of the group; its tokens are [S + j0, S + j0 + G)
+                t0 = s0 + j0
+                blk, r = int(block_table[b, j0 // bs]), j0 % bs
                 xk = rows_of(t0, kf, kwin)  # [Hkv, G, D]
                 codes, scale, zero = _quantize_group_np(xk.transpose(0, 2, 1), cfg.k_bits, sdt)  # over G tokens
                 buffers.k_codes[blk, :, r // kpw:(r + g) // kpw] = torch.from_numpy(
@@ -371,9 +400,10 @@ def append(k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tensor, past_len: t
         if not info.valid:
             continue
         s, e, slot = pasts[b], pasts[b] + chunks[b], slots[b]
-        for t in range(max(s, e - w), e):
-            buffers.k_window[slot, :, t % w] = k[info.token_offset + t - s]
-            buffers.v_window[slot, :, t % w] = v[info.token_offset + t - s]
+        live = list(range(s, min(s0, e))) + list(range(max(s, s0, e - w), e))  # sinks, then the ring's last W
+        for t in live:
+            buffers.k_window[slot, :, cfg.window_row(t)] = k[info.token_offset + t - s]
+            buffers.v_window[slot, :, cfg.window_row(t)] = v[info.token_offset + t - s]
     return flag
 
 

@@ -43,6 +43,7 @@ def make_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     (p.kCodes, p.kScale, p.kZero, p.vCodes, p.vScale, p.vZero, p.kWindow, p.vWindow) = (ptr(t) for t in buffers)
     p.errorFlag = ptr(error_flag)
     p.attentionImpl = attention_impl
+    p.sinkTokens = cfg.sink_tokens  # the kernels' validation refuses S > 0 for now, naming it
     return p
 
 

@@ -25,10 +25,15 @@ def graph_geometry(m: onnx.ModelProto) -> tuple[KiviConfig, Geometry, ExportSpec
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"graph format_version={meta.get('format_version')} does not match this package's "
                          f"FORMAT_VERSION={FORMAT_VERSION}; rebuild it")
-    node = next((n for n in m.graph.node if n.op_type == PLUGIN_NAME), None)
-    if node is None:
+    nodes = [n for n in m.graph.node if n.op_type == PLUGIN_NAME]
+    if not nodes:
         raise ValueError(f"the graph has no {PLUGIN_NAME} node; is it a trtllm-kivi export?")
-    cfg, h, hkv, d = config_from_fields({a.name: a.i for a in node.attribute if a.name in FIELD_NAMES})
+    cfg = KiviConfig.from_dict(meta["kivi_config"])  # the whole config, per-layer rotations included
+    for i, node in enumerate(nodes):  # each node records its layer's format; it must be the metadata's
+        node_cfg, h, hkv, d = config_from_fields({a.name: a.i for a in node.attribute if a.name in FIELD_NAMES})
+        if node_cfg != cfg.for_layer(i):
+            raise ValueError(f"graph node {node.name}: fields {node_cfg} disagree with the graph's kivi_config for "
+                             f"layer {i} ({cfg.for_layer(i)})")
     return cfg, Geometry(meta["num_layers"], h, hkv, d), ExportSpec(**meta["export"]), meta
 
 

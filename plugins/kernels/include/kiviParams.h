@@ -86,6 +86,8 @@ struct KiviStepParams
     size_t workspaceSize;
     // appended after the first version of this struct (zero-initialized callers get the defaults)
     int32_t attentionImpl; //!< KiviAttentionImpl: 0 = auto (SIMT for now), 1 = SIMT, 2 = tensor cores (experimental)
+    // FORMAT_VERSION 2 (format.py); rotation is applied outside the op, so only the sinks reach the kernels
+    int32_t sinkTokens; //!< S: tokens [0, S) kept in full precision; these kernels refuse S > 0 for now
 };
 
 //! Attention kernel choice (KiviStepParams::attentionImpl). Same decomposition, same workspace.
