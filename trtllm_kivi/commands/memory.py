@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="R: minimum full-precision recent tokens")
     q.add_argument("--block-size", type=int, default=fmt.DEFAULT_BLOCK_SIZE, help="tokens per quantized block")
     q.add_argument("--scale-dtype", default=fmt.DEFAULT_SCALE_DTYPE, help=f"one of {fmt.SUPPORTED_SCALE_DTYPES}")
+    q.add_argument("--sink-tokens", type=int, default=fmt.DEFAULT_SINK_TOKENS,
+                   help=f"S: first tokens kept in full precision (0..{fmt.MAX_SINK_TOKENS}; extra window rows)")
     p.add_argument("--json", action="store_true", help="print the report as JSON (exact byte counts)")
 
 
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     geom, model = _geometry(args)
     cfg = KiviConfig(k_bits=args.k_bits, v_bits=args.v_bits, group_size=args.group_size,
                      residual_length=args.residual_length, block_size=args.block_size,
-                     scale_dtype=args.scale_dtype)
+                     scale_dtype=args.scale_dtype, sink_tokens=args.sink_tokens)
     report = memory_report(geom, cfg, args.seq_len, args.batch, model)
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
     return 0

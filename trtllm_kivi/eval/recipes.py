@@ -84,15 +84,19 @@ def _unit(kind: str, name: str, *parts) -> str:
 
 def score_segments(model: LlamaModel, specs: dict[str, KVSpec], token_ids: Sequence[int], setup: QualitySetup,
                    cache: ResultCache, reference: str = "fp16", memo: bool = True,
-                   log: Callable[[str], None] = print) -> dict[str, list[dict]]:
+                   log: Callable[[str], None] = print, compute: bool = True) -> dict[str, list[dict]]:
     """Per-segment results {name: [row per segment]} (row: nll, kl, top1, tokens), computing only what `cache`
-    lacks. The reference reruns with any segment that has missing configurations (KL needs its logits)."""
+    lacks (nothing with compute=False: then every configuration must be cached for every segment). The reference
+    reruns with any segment that has missing configurations (KL needs its logits)."""
     kivi = {n: s.kivi for n, s in specs.items()}
     runners: dict = {}
     for i in range(setup.segments):
         missing = [n for n in specs if cache.get(_unit("seg", n, i)) is None]
         if not missing:
             continue
+        if not compute:
+            raise ValueError(f"segment {i} of {', '.join(missing)} is not in {cache.path}; run without --cached-only "
+                             f"or with fewer --segments")
         names = [reference] + [n for n in missing if n != reference]
         for n in names:
             if n not in runners:
@@ -114,9 +118,10 @@ def score_segments(model: LlamaModel, specs: dict[str, KVSpec], token_ids: Seque
 
 def passkey_cells(model: LlamaModel, specs: dict[str, KVSpec], prompts: dict[tuple[int, float], PasskeyPrompt],
                   cache: ResultCache, reference: str = "fp16", max_config_lengths: int = 0, memo: bool = True,
-                  log: Callable[[str], None] = print) -> dict:
+                  log: Callable[[str], None] = print, compute: bool = True) -> dict:
     """Passkey: the reference at every (length, depth); the other configurations at the lengths where it passes at
-    every depth (the longest max_config_lengths of them when > 0). Cached per (configuration, length, depth)."""
+    every depth (the longest max_config_lengths of them when > 0). Cached per (configuration, length, depth); with
+    compute=False only cached cells are used (a configuration without any gets no summary)."""
     lengths = sorted({n for n, _ in prompts})
     depths = sorted({d for _, d in prompts})
     longest = max(p.num_tokens for p in prompts.values())
@@ -126,6 +131,8 @@ def passkey_cells(model: LlamaModel, specs: dict[str, KVSpec], prompts: dict[tup
         for n in ns:
             for d in depths:
                 key = _unit("pk", name, n, d)
+                if cache.get(key) is None and not compute:
+                    continue
                 if cache.get(key) is None:
                     runner = runner or make_runner(model, specs[name], 1, longest, memo)
                     r = run_passkey(runner, prompts[(n, d)])
@@ -145,6 +152,8 @@ def passkey_cells(model: LlamaModel, specs: dict[str, KVSpec], prompts: dict[tup
     summary = {}
     for name, cs in results.items():
         cs = [c for c in cs if c["length"] in eval_lengths]
+        if not cs:
+            continue
         summary[name] = summarize([PasskeyResult(c["passed"], c["ranks"], c["logprobs"]) for c in cs])
     return {"lengths": lengths, "depths": depths, "reference_pass_lengths": all_pass, "eval_lengths": eval_lengths,
             "results": results, "summary": summary}
