@@ -54,8 +54,8 @@ def hf_llama(model_name: str):
 
 
 class Ours:
-    def __init__(self, model, kv: str, n: int, memo: bool) -> None:
-        self.runner = make_runner(model, parse_kv(kv), 1, n, memo)
+    def __init__(self, model, kv: str, n: int, backend: str | None) -> None:
+        self.runner = make_runner(model, parse_kv(kv), 1, n, backend)
 
     def prefill(self, ids: list[int]) -> int:
         self.slot = self.runner.add_sequence()
@@ -103,8 +103,8 @@ def main() -> int:
     ids = tok.encode(load_play("tragedies/hamlet"), add_special_tokens=False)[:args.prompt_len]
     hf, hf_version = hf_llama(args.model)
     n = args.prompt_len + args.decode + 1
-    impls = {"ours_fp16": Ours(model, "fp16", n, False), "ours_kivi2": Ours(model, "kivi2", n, False),
-             "ours_kivi2_memo": Ours(model, "kivi2", n, True), "hf_dynamic_cache": HF(hf)}
+    impls = {"ours_fp16": Ours(model, "fp16", n, None), "ours_kivi2": Ours(model, "kivi2", n, "reference"),
+             "ours_kivi2_memo": Ours(model, "kivi2", n, "memo"), "hf_dynamic_cache": HF(hf)}
     times: dict[str, list[float]] = {k: [] for k in impls}
     tokens: dict[str, list[int]] = {}
     for r in range(args.rounds):

@@ -9,7 +9,7 @@ import torch
 from onnx import numpy_helper
 
 from trtllm_kivi.builder.check import LOGIT_ATOL, check_graph
-from trtllm_kivi.builder.onnx_export import ExportSpec, export_llama
+from trtllm_kivi.builder.onnx_export import ExportSpec, export_llama, graph_info
 from trtllm_kivi.models.tiny import tiny_model
 from trtllm_kivi.format import KiviConfig
 
@@ -28,8 +28,8 @@ def _prompts(seed=0):
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_graph_matches_the_torch_runtime_over_prefill_and_64_decode_steps(tiny, dtype):
-    graph = export_llama(tiny, CFG, ExportSpec(dtype, max_batch_size=2, max_seq_len=256, max_num_tokens=256))
-    res = check_graph(tiny, graph, _prompts(), decode_steps=64)
+    spec = ExportSpec(dtype, max_batch_size=2, max_seq_len=256, max_num_tokens=256)
+    res = check_graph(tiny, export_llama(tiny, CFG, spec), graph_info(tiny, CFG, spec), _prompts(), decode_steps=64)
     assert res.decode_steps == 64 and res.prefill_tokens == [77, 30]
     assert res.passed, res.to_dict()
     # Both sequences crossed flush points (prefill 77 > R + G = 64; the short one flushes while decoding).
@@ -41,19 +41,21 @@ def test_graph_matches_the_torch_runtime_over_prefill_and_64_decode_steps(tiny, 
 
 def test_check_fails_on_a_corrupted_graph(tiny):
     """A graph whose attention output projection is off by 1% in one layer must not pass."""
-    graph = export_llama(tiny, CFG, ExportSpec("float32", 2, 256, 256))
+    spec = ExportSpec("float32", 2, 256, 256)
+    graph = export_llama(tiny, CFG, spec)
     init = next(i for i in graph.graph.initializer if i.name == "layers.1.attn.wo.weight")
     init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * np.float32(1.01), init.name))
-    res = check_graph(tiny, graph, _prompts(1), decode_steps=4)
+    res = check_graph(tiny, graph, graph_info(tiny, CFG, spec), _prompts(1), decode_steps=4)
     assert not res.passed and res.max_logit_diff > LOGIT_ATOL / 10
 
 
 def test_check_refuses_prompts_past_the_graphs_maxima(tiny):
-    graph = export_llama(tiny, CFG, ExportSpec("float32", 1, 100, 100))
+    spec = ExportSpec("float32", 1, 100, 100)
+    graph, info = export_llama(tiny, CFG, spec), graph_info(tiny, CFG, spec)
     with pytest.raises(ValueError, match=r"2 check prompts but the graph has max_batch_size=1"):
-        check_graph(tiny, graph, _prompts(), decode_steps=4)
+        check_graph(tiny, graph, info, _prompts(), decode_steps=4)
     with pytest.raises(ValueError, match=r"check needs 141 tokens per sequence; the graph has max_seq_len=100"):
-        check_graph(tiny, graph, _prompts()[:1], decode_steps=64)
+        check_graph(tiny, graph, info, _prompts()[:1], decode_steps=64)
 
 
 @pytest.mark.slow
@@ -65,9 +67,10 @@ def test_real_model_graph_matches_the_torch_runtime():
 
     model, tok, _ = load_model("smollm2-135m", "float32")
     cfg = KiviConfig(residual_length=32)
-    graph = export_llama(model, cfg, ExportSpec("float16", max_batch_size=2, max_seq_len=256, max_num_tokens=256))
+    spec = ExportSpec("float16", max_batch_size=2, max_seq_len=256, max_num_tokens=256)
     ids = tok.encode(CHECK_TEXT, add_special_tokens=False)
-    res = check_graph(model, graph, [ids[:74], ids[10:70]], decode_steps=16)
+    res = check_graph(model, export_llama(model, cfg, spec), graph_info(model, cfg, spec), [ids[:74], ids[10:70]],
+                      decode_steps=16)
     assert res.passed, res.to_dict()
     # 74 tokens flush a group during the prefill, 60 + 16 cross R + G = 64 while decoding.
     assert res.quantized_tokens == [cfg.num_quantized(90), cfg.num_quantized(76)] == [32, 32]

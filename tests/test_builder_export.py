@@ -8,9 +8,9 @@ import onnx
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from trtllm_kivi.builder.onnx_export import (DOMAIN, ONNX_DTYPES, STEP_INPUTS, ExportSpec, export_llama,
-                                              model_metadata, save_model)
-from trtllm_kivi.builder.ort_check import ort_model
+from trtllm_kivi.builder.onnx_export import (DOMAIN, ONNX_DTYPES, STEP_INPUTS, ExportSpec, export_llama, graph_info,
+                                              save_model)
+from trtllm_kivi.runtime.ort_session import ort_model
 from trtllm_kivi.models.tiny import tiny_model
 from trtllm_kivi.builder.trt_build import profile_shapes, trtexec_command
 from trtllm_kivi.format import BUFFER_NAMES, FORMAT_VERSION, KiviConfig, buffer_dtypes, buffer_shapes
@@ -98,16 +98,24 @@ def test_every_float_is_explicit_in_the_activation_dtype(graph):
                if n.op_type == "Cast")
 
 
-def test_weights_are_the_models_and_metadata_records_the_maxima(graph, tiny):
+def test_weights_are_the_models_and_graph_info_records_the_maxima(graph, tiny):
     model, mc = tiny
     inits = {i.name: i for i in graph.graph.initializer}
     np.testing.assert_array_equal(numpy_helper.to_array(inits["layers.1.attn.wqkv.weight"]),
                                   model.layers[1].attn.wqkv.detach().half().numpy())
     assert "lm_head.weight" not in inits  # tied: the embedding serves both
-    meta = model_metadata(graph)
-    assert meta["format_version"] == FORMAT_VERSION
-    assert meta["export"] == {"dtype": "float16", "max_batch_size": 3, "max_seq_len": 300, "max_num_tokens": 256}
-    assert meta["kivi_config"] == CFG.to_dict() and meta["num_layers"] == mc.n_layers
+    assert not graph.metadata_props  # one record of the config: build_config.json (op.GraphInfo), not the graph
+    info = graph_info(model, CFG, ExportSpec("float16", 3, 300, 256))
+    d = info.to_dict()
+    assert d["maxima"] == {"max_batch_size": 3, "max_seq_len": 300, "max_num_tokens": 256,
+                           "max_blocks_per_seq": info.max_blocks_per_seq, "num_blocks": 3 * info.max_blocks_per_seq}
+    assert d["kivi_config"] == CFG.to_dict() and d["geometry"]["num_layers"] == mc.n_layers
+    assert type(info).from_dict(d) == info
+    for n in graph.graph.node:  # every node carries exactly the fields the info derives
+        if n.op_type == PLUGIN_NAME:
+            info.check_node_fields({a.name: a.i for a in n.attribute if a.type == onnx.AttributeProto.INT},
+                                   n.name)
+    assert info.fields()["format_version"] == FORMAT_VERSION
 
 
 def test_dtypes_change_nothing_but_element_types(tiny):

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from trtllm_kivi.cache import FullCache, KiviCache
-from trtllm_kivi.eval.memo_cache import MemoKiviCache
 from trtllm_kivi.eval.quality import QualitySetup, evaluate_quality
 from trtllm_kivi.eval.scoring import chunk_plan, flush_points, is_exact, score_sequence
 from trtllm_kivi.models.tiny import FAN_IN_INIT, write_tiny_checkpoint
@@ -88,25 +87,6 @@ def test_misaligned_chunk_differs(tiny):
     # the same misaligned plan on an unquantized cache stays exact: the difference comes from the flush schedule
     full = lambda: TorchRunner(model, FullCache(model.cfg.geometry, 1, 256, torch.float32))  # noqa: E731
     assert (score_sequence(full(), tokens, prefix, plan) - token_by_token(full(), tokens, prefix)).abs().max() < ATOL
-
-
-@pytest.mark.parametrize("cfg", [KIVI2, KiviConfig(k_bits=4, v_bits=2, residual_length=32),
-                                 KiviConfig(key_grouping="per_token", residual_length=32, block_size=64),
-                                 # FORMAT_VERSION 2 options: sinks (flushes at S + R + kG), rotation per layer
-                                 KiviConfig(residual_length=32, sink_tokens=4, k_rotation="hadamard",
-                                            v_rotation="hadamard"),
-                                 KiviConfig(residual_length=32, sink_tokens=45, k_rotation=("hadamard", "none"),
-                                            v_rotation=("none", "hadamard"))])
-def test_memo_cache_is_bit_identical(tiny, cfg):
-    model, tokens = tiny
-    a, b = kivi_runner(model, cfg, 2), kivi_runner(model, cfg, 2, cls=MemoKiviCache)
-    sa, sb = [a.add_sequence(), a.add_sequence()], [b.add_sequence(), b.add_sequence()]
-    for s, e in [(0, 40), (40, 64), (64, 100), (100, 101), (101, 160)]:  # chunked prefill and decode, 2 sequences
-        chunk = [tokens[s:e], tokens[::-1][s:e]]
-        assert torch.equal(a.step(sa, chunk, all_logits=True), b.step(sb, chunk, all_logits=True))
-    a.free_sequence(sa[0]), b.free_sequence(sb[0])  # a freed slot's memo is dropped: the reused slot starts fresh
-    sa[0], sb[0] = a.add_sequence(), b.add_sequence()
-    assert torch.equal(a.step(sa, [tokens[:90], tokens[:5]]), b.step(sb, [tokens[:90], tokens[:5]]))
 
 
 def test_quality_lockstep_matches_single_sequence_scoring(tiny):

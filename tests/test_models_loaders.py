@@ -303,7 +303,7 @@ def test_builtin_package_missing(monkeypatch):
 
 
 def test_dtype_choice():
-    with pytest.raises(ValueError, match=r"dtype 'int8' is not supported; allowed: float32, float16, bfloat16"):
+    with pytest.raises(ValueError, match=r"dtype 'int8' is not supported; allowed: float16, bfloat16, float32"):
         load_model("smollm2-135m", "int8")
 
 

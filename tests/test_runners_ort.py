@@ -11,7 +11,7 @@ import torch
 
 from trtllm_kivi.builder.build import BuildOptions, build
 from trtllm_kivi.builder.check import reference_model
-from trtllm_kivi.builder.onnx_export import ExportSpec, export_llama
+from trtllm_kivi.builder.onnx_export import ExportSpec, export_llama, graph_info
 from trtllm_kivi.models.tiny import tiny_model, write_tiny_checkpoint
 from trtllm_kivi.cache import CacheCapacityError, KiviCache
 from trtllm_kivi.format import KiviConfig
@@ -26,7 +26,7 @@ SPEC = ExportSpec("float16", max_batch_size=3, max_seq_len=160, max_num_tokens=1
 @pytest.fixture(scope="module")
 def pair():
     model, mc = tiny_model(seed=4)
-    ort = OrtRunner(export_llama(model, CFG, SPEC))
+    ort = OrtRunner(export_llama(model, CFG, SPEC), graph_info(model, CFG, SPEC))
     ref = reference_model(model, SPEC.dtype)
     torch_runner = TorchRunner(ref, KiviCache(CFG, mc.geometry, 3, 160, dtype=torch.float32,
                                               num_blocks=ort.cache.num_blocks))
@@ -51,7 +51,7 @@ def test_ragged_steps_free_and_reuse_match_the_torch_runtime(pair):
     for _ in range(3):  # decode of two, chunked prefill of the third, in the same steps
         _both(pair, s, [ids(1), ids(1), ids(12)])
     assert [ort.seq_len(x) for x in s] == [73, 8, 76]
-    for layer in range(ort.geom.num_layers):  # flushed groups of slot 0 and 2 are bit-identical
+    for layer in range(ort.geometry.num_layers):  # flushed groups of slot 0 and 2 are bit-identical
         for x in (s[0], s[2]):
             a, b = ort.cache.sequence_state(x, layer), ref.cache.sequence_state(x, layer)
             assert torch.equal(a["k_codes"], b["k_codes"]) and torch.equal(a["v_codes"], b["v_codes"])
@@ -79,8 +79,12 @@ def test_sinks_and_per_layer_rotation_match_the_torch_runtime():
              for n in nodes]
     assert codes == [{"sink_tokens": 4, "k_rotation": 1, "v_rotation": 1},
                      {"sink_tokens": 4, "k_rotation": 0, "v_rotation": 1}]
-    ort = OrtRunner(m)
-    assert ort.cfg == CFG_V2
+    from dataclasses import replace
+    with pytest.raises(ValueError, match=r"node attention_0: KiviAttention node attributes disagree with the build "
+                       r"config \(k_rotation: graph 1 vs build config 0"):  # a rotated cache is never read unrotated
+        OrtRunner(m, graph_info(model, replace(CFG_V2, k_rotation="none"), SPEC))
+    ort = OrtRunner(m, graph_info(model, CFG_V2, SPEC))
+    assert ort.info.kivi == CFG_V2
     ref = TorchRunner(reference_model(model, SPEC.dtype), KiviCache(CFG_V2, mc.geometry, 3, 160, dtype=torch.float32,
                                                                    num_blocks=ort.cache.num_blocks))
     g = torch.Generator().manual_seed(1)
@@ -120,14 +124,19 @@ def test_capacity_and_bad_steps_are_refused_without_changing_state(pair):
     assert ort.kv_nbytes == ort.cache.nbytes > 0
 
 
-def test_graph_of_another_format_version_is_refused():
+def test_graph_that_disagrees_with_its_build_config_is_refused():
+    """The build config is the one source of truth: a node of another format version or KIVI config is refused."""
     model, _ = tiny_model()
     g = export_llama(model, CFG, SPEC)
-    for p in g.metadata_props:
-        if p.key == "format_version":
-            p.value = "999"
-    with pytest.raises(ValueError, match=r"graph format_version=999 does not match this package's FORMAT_VERSION"):
-        OrtRunner(g)
+    for a in g.graph.node[[n.op_type for n in g.graph.node].index("KiviAttention")].attribute:
+        if a.name == "format_version":
+            a.i = 999
+    with pytest.raises(ValueError, match=r"attributes disagree with the build config \(format_version: graph 999 vs "
+                       r"build config"):
+        OrtRunner(g, graph_info(model, CFG, SPEC))
+    other = KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=32, block_size=64)
+    with pytest.raises(ValueError, match=r"k_bits: graph 4 vs build config 2"):
+        OrtRunner(export_llama(model, CFG, SPEC), graph_info(model, other, SPEC))
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +153,7 @@ def test_load_runner_picks_onnxruntime_here_and_says_why(folder):
     runner, why = load_runner(folder)
     assert isinstance(runner, OrtRunner) and runner.name == "onnxruntime"
     assert "tensorrt unavailable: the folder has no engine" in why
-    assert runner.max_slots == 2 and runner.max_seq_len == 128 and runner.cfg == CFG
+    assert runner.max_slots == 2 and runner.max_seq_len == 128 and runner.kivi_config == CFG
     runner, why = load_runner(folder, prefer="onnxruntime")
     assert "requested" in why
 
@@ -160,7 +169,7 @@ def test_load_runner_refuses_what_cannot_run(folder, tmp_path):
     bad.mkdir()
     conf = json.loads((folder / "build_config.json").read_text()) | {"format_version": 0}
     (bad / "build_config.json").write_text(json.dumps(conf))
-    with pytest.raises(ValueError, match=r"was built for format_version=0; this package uses FORMAT_VERSION"):
+    with pytest.raises(ValueError, match=r"has format_version=0 but this trtllm_kivi uses FORMAT_VERSION"):
         load_runner(bad)
 
 
@@ -168,5 +177,5 @@ def test_build_folder_graph_is_the_runners_graph(folder):
     """The runner runs the folder's model.onnx (external weights loaded), not a re-export."""
     runner, _ = load_runner(folder)
     g = onnx.load(str(folder / "model.onnx"))
-    assert runner.spec == ExportSpec("float16", 2, 128, 128)
-    assert sum(n.op_type == "KiviAttention" for n in g.graph.node) == runner.geom.num_layers
+    assert runner.info.spec == ExportSpec("float16", 2, 128, 128)
+    assert sum(n.op_type == "KiviAttention" for n in g.graph.node) == runner.geometry.num_layers

@@ -11,7 +11,8 @@ from tokenizers import pre_tokenizers
 from trtllm_kivi.cache import KiviCache
 from trtllm_kivi.format import KiviConfig
 from trtllm_kivi.models import LlamaModel, ModelConfig, Tokenizer
-from trtllm_kivi.runtime.generate import Generation, SamplingParams, TextStream, generate, sample
+from trtllm_kivi.runtime.detokenize import Detokenizer
+from trtllm_kivi.runtime.generate import Generation, SamplingParams, generate, sample
 from trtllm_kivi.runtime.torch_runner import TorchRunner
 
 BYTES = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -105,10 +106,10 @@ def test_stop_token_and_string(model, tok):
 
 def test_errors(model):
     runner = TorchRunner.create(model, "fp32", 1, 32)
-    with pytest.raises(ValueError, match="prompt 0 is empty"):
+    with pytest.raises(ValueError, match="prompt 0: the prompt is empty"):
         generate(runner, [[]])
-    with pytest.raises(ValueError, match=r"prompt 1: 30 tokens \+ max_new_tokens=5 needs 34 cache positions; "
-                                         r"the runner holds max_seq_len=32"):
+    with pytest.raises(ValueError, match=r"prompt 1: prompt of 30 tokens \+ max_new_tokens=5 needs 34 cache "
+                                         r"positions; a sequence holds at most max_seq_len=32"):
         generate(runner, [[1], [2] * 30], SamplingParams(max_new_tokens=5))
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         generate(runner, [[1]], SamplingParams(stop_strings=("x",)))
@@ -132,13 +133,31 @@ def test_sample_definition():
     assert sample(logits, SamplingParams()) == 0  # temperature 0: argmax
 
 
-def test_text_stream_holds_partial_characters(tok):
+def _pieces(detok: Detokenizer, ids: list[int]) -> list[str]:
+    out = []
+    for i in ids:
+        detok.push(i)
+        out.append(detok.delta())
+    return out + [detok.delta(final=True)]
+
+
+def test_detokenizer_holds_partial_characters(tok):
     ids = tok.encode("aé😀b")  # é is 2 bytes, 😀 is 4: one token per byte here
     assert len(ids) == 8
-    stream = TextStream(tok)
-    pieces = [stream.push(i) for i in ids]
+    pieces = _pieces(Detokenizer(tok), ids)
     assert "".join(pieces) == "aé😀b"
-    assert pieces == ["a", "", "é", "", "", "", "😀", "b"]
+    assert pieces == ["a", "", "é", "", "", "", "😀", "b", ""]
+
+
+def test_detokenizer_holds_back_a_possible_stop_string_and_cuts_before_it(tok):
+    """Streamed text never shows a prefix of a stop string that then completes; the text is cut before it."""
+    d = Detokenizer(tok, ("END",))
+    pieces = _pieces(d, tok.encode("abEN") + tok.encode("Dxyz"))
+    assert d.stopped and d.text == "ab" and "".join(pieces) == "ab"
+    assert "E" not in "".join(pieces)
+    d = Detokenizer(tok, ("END",))
+    pieces = _pieces(d, tok.encode("abENx"))  # "EN" was held back, then released when it could not grow
+    assert not d.stopped and "".join(pieces) == "abENx" and pieces[-1] == ""
 
 
 def test_generation_record():

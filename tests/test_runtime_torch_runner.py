@@ -13,7 +13,8 @@ from trtllm_kivi.cache import CacheCapacityError, FullCache, KiviCache
 from trtllm_kivi.format import Geometry, KiviConfig, dense_bytes_per_token, kivi_total_bytes
 from trtllm_kivi.models import LlamaModel, ModelConfig
 from trtllm_kivi.runtime.base import Runner
-from trtllm_kivi.runtime.kvspec import add_kv_arguments, kv_from_args, parse_kv
+from trtllm_kivi.commands.flags import add_kv, kv_for_build, kv_from_args
+from trtllm_kivi.runtime.kvspec import parse_kv
 from trtllm_kivi.runtime.torch_runner import TorchRunner
 
 
@@ -129,12 +130,26 @@ def test_knobs_and_errors(model):
 
 def test_cli_arguments():
     p = argparse.ArgumentParser()
-    add_kv_arguments(p)
+    add_kv(p)
     args = p.parse_args(["--kv", "k4v2", "--group-size", "64", "--residual-length", "32"])
     spec = kv_from_args(args)
     assert (spec.kivi.k_bits, spec.kivi.v_bits, spec.kivi.group_size, spec.kivi.residual_length) == (4, 2, 64, 32)
     assert kv_from_args(p.parse_args([])).name == "kivi2"
     assert kv_from_args(args, "naive8").kivi.key_grouping == "per_token"
+
+
+def test_kv_flags_that_contradict_a_build_folder_are_refused():
+    """A build folder's KV config is the one source: flags the user gave must agree, and are named when not."""
+    p = argparse.ArgumentParser()
+    add_kv(p)
+    built = KiviConfig(k_bits=4, v_bits=2)
+    assert kv_for_build(p.parse_args([]), built).kivi == built  # nothing given: the folder's config
+    assert kv_for_build(p.parse_args(["--kv", "k4v2", "--group-size", "32"]), built).name == "k4v2"
+    with pytest.raises(ValueError, match=r"--group-size 64 contradicts the build folder's group_size=32"):
+        kv_for_build(p.parse_args(["--group-size", "64"]), built)
+    with pytest.raises(ValueError, match=r"--kv kivi2 \(kivi2 \(K 2-bit .*\)\) contradicts the build folder's KV "
+                       r"config \(k4v2 \(K 4-bit"):
+        kv_for_build(p.parse_args(["--kv", "kivi2"]), built)
 
 
 @pytest.mark.gpu
@@ -158,7 +173,7 @@ def test_cuda_matches_cpu(model, kv):
     tokens = [list(range(1, 40)), [3, 4, 5]]
     outs = []
     for m in (model, gpu):
-        r = TorchRunner.create(m, kv, 2, 64)
+        r = TorchRunner.create(m, kv, 2, 64, backend="reference")
         slots = [r.add_sequence(), r.add_sequence()]
         outs.append(torch.cat([r.step(slots, tokens, all_logits=True), r.step(slots, [[7], [8]])]).cpu())
     torch.testing.assert_close(outs[1], outs[0], atol=1e-3, rtol=1e-3)

@@ -114,7 +114,7 @@ def test_triton_command_writes_the_repository(tmp_path, capsys):
     assert main(["triton", "--model", "smollm2-135m", "-o", str(tmp_path / "r2"), "--kv", "kivi3"]) == 2
     assert not (tmp_path / "r2").exists()
     assert main(["triton", "--engine", str(tmp_path / "nope"), "-o", str(tmp_path / "r3")]) == 2
-    assert "engine folder" in capsys.readouterr().err and not (tmp_path / "r3" / "trtllm_kivi").exists()
+    assert "is not a trtllm-kivi build folder" in capsys.readouterr().err and not (tmp_path / "r3" / "trtllm_kivi").exists()
 
 
 def test_serving_config_validation():

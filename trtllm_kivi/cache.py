@@ -1,5 +1,5 @@
 """Streaming KV caches a runner uses: the KIVI cache (block pool + block tables + per-slot windows) and an
-unquantized cache with the same interface as the baseline.
+unquantized cache with the same interface as the baseline, both behind one interface (KVCache).
 
 A runner drives one model step as:
 
@@ -9,18 +9,27 @@ A runner drives one model step as:
     cache.end_step(step)                         # advances the sequence lengths
 
 All buffers are preallocated for the capacity given at construction; nothing grows by concatenation.
+
+`cache.attention` is the one attention entry point; an attention backend computes it (BACKENDS):
+    reference  the executable spec (reference.kivi_attention_): dequantizes the whole history every step
+    memo       reference append + memoized dequantized history: bit-identical to reference, the CPU default
+    cuda       the CUDA kernels through their C ABI (cuda.ops): the default on a CUDA device
+default_backend(device) picks the fastest one available.
 """
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from .format import Geometry, KiviConfig
-from .reference.attention import KiviBuffers, attend, full_precision_rows, history, kivi_attention_
+from .reference.attention import (KiviBuffers, _blocks_of, _rows, append, attend, check_step, full_precision_rows,
+                                  history, kivi_attention_)
+from .reference.kv import dequantize_keys, dequantize_values
 
 
 class CacheCapacityError(ValueError):
@@ -44,8 +53,10 @@ class Step:
         return sum(self.chunk)
 
 
-class _SlotCache:
-    """Slot bookkeeping shared by both caches."""
+class KVCache(ABC):
+    """The interface of both caches (slot bookkeeping here; storage and attention in the subclasses)."""
+
+    kivi_config: KiviConfig | None = None  # None: unquantized
 
     def __init__(self, geom: Geometry, max_slots: int, max_seq_len: int, dtype: torch.dtype,
                  device: str | torch.device) -> None:
@@ -91,7 +102,7 @@ class _SlotCache:
             raise ValueError(f"slots ({len(slots)}) and chunk_lens ({len(chunk_lens)}) must be equal, non-empty")
         if len(set(slots)) != len(slots):
             raise ValueError(f"slots {list(slots)} must be distinct within a step")
-        for slot, c in zip(slots, chunk_lens):
+        for slot, c in zip(slots, chunk_lens, strict=True):
             self._check_slot(slot)
             if c < 0:
                 raise ValueError(f"chunk length {c} for slot {slot} must be >= 0")
@@ -107,22 +118,224 @@ class _SlotCache:
 
     def end_step(self, step: Step) -> None:
         """Advance the lengths of the step's sequences (after every layer ran)."""
-        for slot, c in zip(step.slots, step.chunk):
+        for slot, c in zip(step.slots, step.chunk, strict=True):
             self.seq_lens[slot] += c
 
+    @property
+    def free_blocks(self) -> int | None:
+        """Quantized-store blocks still free (None: an unquantized cache has no block pool)."""
+        return None
 
-class KiviCache(_SlotCache):
+    @property
+    def backend_name(self) -> str:
+        """The attention backend's name ("torch" for the unquantized cache's plain torch attention)."""
+        return "torch"
+
+    @abstractmethod
+    def begin_step(self, slots: Sequence[int], chunk_lens: Sequence[int]) -> Step:
+        """Validate a step and reserve what it needs; on error nothing changes."""
+
+    @abstractmethod
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        """q [tokens, H, D], k/v [tokens, Hkv, D] -> out [tokens, H, D]; appends k/v to the layer's state."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes allocated for the cache buffers."""
+
+    @abstractmethod
+    def dequantized(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full-precision view of a sequence's stored K/V [Hkv, T, D] (history as attention sees it)."""
+
+    def rotations(self, layer: int) -> tuple[str, str]:
+        """(k_rotation, v_rotation) of a layer (format.py): what the model applies around attention."""
+        return "none", "none"
+
+
+# ---------------------------------------------------------------------------------------------- attention backends
+
+
+class AttentionBackend(ABC):
+    """Computes KiviCache.attention (attend, then append: the KiviAttention op, in place) for one cache."""
+
+    name: str
+
+    def __init__(self, cache: "KiviCache") -> None:
+        self.cache = cache
+
+    @classmethod
+    def unavailable(cls, cfg: KiviConfig, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why this backend cannot serve `cfg` with `dtype` activations on `device` (None: it can)."""
+        return None
+
+    @abstractmethod
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        ...
+
+    def free(self, slot: int) -> None:
+        """The sequence in `slot` was freed (drop any per-sequence state)."""
+
+
+class ReferenceBackend(AttentionBackend):
+    """The executable spec: reference.kivi_attention_ (dequantizes the whole history every step and layer)."""
+
+    name = "reference"
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        c = self.cache
+        return kivi_attention_(q, k, v, step.slot_ids, step.past_len, step.chunk_len, step.block_table,
+                               c.layers[layer], c.cfg)
+
+
+class MemoBackend(AttentionBackend):
+    """The reference op with each sequence's dequantized history kept between steps.
+
+    The store is append-only (a quantized group never changes until the sequence is freed) and dequantization is
+    elementwise, so dequantizing only the groups added since the last step and concatenating gives bit-identical
+    history, hence bit-identical attention (tests/test_cache_backends.py checks torch.equal against reference).
+    Storage and flushing are the reference `append`; only the read side is memoized."""
+
+    name = "memo"
+
+    def __init__(self, cache: "KiviCache") -> None:
+        super().__init__(cache)
+        self._memo: dict[tuple[int, int], tuple[int, torch.Tensor, torch.Tensor]] = {}  # (layer, slot) -> n, K, V
+
+    def free(self, slot: int) -> None:
+        for key in [k for k in self._memo if k[1] == slot]:
+            del self._memo[key]
+
+    def _quantized_history(self, layer: int, slot: int, table_row: torch.Tensor, n_q: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K/V [Hkv, n_q, D] of the first n_q tokens, extending the memo by the new groups only."""
+        buf, cfg = self.cache.layers[layer], self.cache.cfg
+        bs, d = cfg.block_size, buf.k_window.shape[-1]
+        n, k_old, v_old = self._memo.get((layer, slot), (0, None, None))
+        if n > n_q:  # cannot happen for a live sequence (the store only grows); recompute to be safe
+            n, k_old, v_old = 0, None, None
+        if n == n_q and k_old is not None and v_old is not None:
+            return k_old, v_old
+        b0, b1 = n // bs, math.ceil(n_q / bs)  # blocks holding the new tokens [n, n_q)
+        sub = table_row[b0:b1]
+        m = n_q - b0 * bs  # tokens of those blocks in the store
+        kc, ks, kz = (_blocks_of(t, sub, b1 - b0) for t in buf[0:3])
+        vc, vs, vz = (_blocks_of(t, sub, b1 - b0) for t in buf[3:6])
+        k_new = dequantize_keys(kc, ks, kz, cfg, m, d, buf.k_window.dtype)[:, n - b0 * bs:]
+        v_new = dequantize_values(vc[:, :m], vs[:, :m], vz[:, :m], cfg, d, buf.v_window.dtype)[:, n - b0 * bs:]
+        k_all = k_new if k_old is None else torch.cat([k_old, k_new], dim=1)
+        v_all = v_new if v_old is None else torch.cat([v_old, v_new], dim=1)
+        self._memo[(layer, slot)] = (n_q, k_all, v_all)
+        return k_all, v_all
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        buf, cfg = self.cache.layers[layer], self.cache.cfg
+        check_step(q, k, v, step.slot_ids, step.past_len, step.chunk_len, step.block_table, buf, cfg)
+        out = torch.empty_like(q)
+        off = 0
+        for b, (slot, s, c) in enumerate(zip(step.slots, step.past, step.chunk, strict=True)):
+            if c == 0:
+                continue
+            rows = slice(off, off + c)
+            kc, vc = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [Hkv, c, D]
+            n_q, s0 = cfg.num_quantized(s), min(cfg.sink_tokens, s)
+            ring = _rows(cfg, s0 + n_q, s)  # token order: sinks, store, ring, chunk (format.py)
+            parts_k, parts_v = [buf.k_window[slot][:, ring], kc], [buf.v_window[slot][:, ring], vc]
+            if n_q:
+                kq, vq = self._quantized_history(layer, slot, step.block_table[b], n_q)
+                parts_k.insert(0, kq)
+                parts_v.insert(0, vq)
+            if s0:
+                parts_k.insert(0, buf.k_window[slot][:, :s0])
+                parts_v.insert(0, buf.v_window[slot][:, :s0])
+            out[rows] = attend(q[rows], torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1), s)
+            append(buf, cfg, slot, step.block_table[b], s, kc, vc)
+            off += c
+        return out
+
+
+class CudaBackend(AttentionBackend):
+    """The CUDA kernels (plugins/kernels) through their C ABI: cuda.ops.kivi_attention_cuda_."""
+
+    name = "cuda"
+
+    @classmethod
+    def unavailable(cls, cfg: KiviConfig, device: torch.device, dtype: torch.dtype) -> str | None:
+        if device.type != "cuda":
+            return f"the cuda backend needs a CUDA device; the cache is on {device}"
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"the CUDA kernels take float16 or bfloat16 activations; the cache holds {dtype}"
+        from .cuda import find_library
+
+        if find_library() is None:
+            return "the KIVI kernel library is not built (build_scripts/build_plugin.sh)"
+        if cfg.key_grouping != "per_channel":
+            return f"the CUDA kernels implement per_channel keys only; key_grouping={cfg.key_grouping!r}"
+        if cfg.sink_tokens:
+            return (f"the current CUDA kernels do not implement sinks; sink_tokens={cfg.sink_tokens} runs on the "
+                    f"reference or memo backend")
+        return None
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        from .cuda.ops import kivi_attention_cuda_
+
+        c = self.cache
+        ends = [p + n for p, n in zip(step.past, step.chunk, strict=True)]
+        # begin_step validated the lengths on the host: the kernels get exact host bounds, no host sync
+        return kivi_attention_cuda_(q, k, v, step.slot_ids, step.past_len, step.chunk_len, step.block_table,
+                                    c.layers[layer], c.cfg, max_chunk_len=max(step.chunk), max_seq_len=max(ends),
+                                    check=False)
+
+
+BACKENDS: dict[str, type[AttentionBackend]] = {"reference": ReferenceBackend, "memo": MemoBackend,
+                                               "cuda": CudaBackend}
+BACKEND_CHOICES = ("auto", "reference", "memo", "cpu", "cuda")
+
+
+def register_backend(cls: type[AttentionBackend]) -> None:
+    """Add a backend to BACKENDS under cls.name (e.g. the native CPU backend)."""
+    BACKENDS[cls.name] = cls
+
+
+def default_backend(cfg: KiviConfig, device: str | torch.device, dtype: torch.dtype = torch.float16) -> str:
+    """The fastest backend available for `cfg` on `device`: cuda on a CUDA device (when built), else memo."""
+    device = torch.device(device)
+    for name in ("cuda", "cpu"):
+        if name in BACKENDS and BACKENDS[name].unavailable(cfg, device, dtype) is None:
+            return name
+    return "memo"
+
+
+def resolve_backend(name: str | None, cfg: KiviConfig, device: str | torch.device,
+                    dtype: torch.dtype = torch.float16) -> str:
+    """A --attention-backend choice ("auto"/None = default_backend) checked for `cfg` on `device`."""
+    if name in (None, "auto"):
+        return default_backend(cfg, device, dtype)
+    if name not in BACKENDS:
+        allowed = ", ".join(["auto", *BACKENDS])
+        raise ValueError(f"attention backend {name!r} is not available; allowed: {allowed}")
+    why = BACKENDS[name].unavailable(cfg, torch.device(device), dtype)
+    if why:
+        raise ValueError(f"attention backend {name!r} cannot serve this cache: {why}")
+    return name
+
+
+# ---------------------------------------------------------------------------------------------- caches
+
+
+class KiviCache(KVCache):
     """KIVI cache for L layers: a pool of quantized blocks per layer, a block table per slot, a full-precision
-    window per slot (format.py has the layouts)."""
+    window per slot (format.py has the layouts); attention by the chosen backend (default_backend if None)."""
 
     def __init__(self, cfg: KiviConfig, geom: Geometry, max_slots: int, max_seq_len: int,
                  dtype: torch.dtype = torch.float16, device: str | torch.device = "cpu",
-                 num_blocks: int | None = None) -> None:
+                 num_blocks: int | None = None, backend: str | None = None) -> None:
         super().__init__(geom, max_slots, max_seq_len, dtype, device)
         cfg.check_head_dim(geom.head_dim)
         cfg.check_num_layers(geom.num_layers)
-        self.cfg = cfg
-        self.max_blocks_per_seq = max(1, math.ceil(cfg.num_quantized(max_seq_len) / cfg.block_size))
+        self.cfg = self.kivi_config = cfg
+        self.backend: AttentionBackend = BACKENDS[resolve_backend(backend, cfg, self.device, dtype)](self)
+        self.max_blocks_per_seq = cfg.max_blocks_per_seq(max_seq_len)
         self.num_blocks = max_slots * self.max_blocks_per_seq if num_blocks is None else num_blocks
         if self.num_blocks <= 0:
             raise ValueError(f"num_blocks={self.num_blocks} must be >= 1")
@@ -135,6 +348,7 @@ class KiviCache(_SlotCache):
 
     def free_sequence(self, slot: int) -> None:
         super().free_sequence(slot)
+        self.backend.free(slot)
         self._free_blocks.extend(reversed(self._blocks[slot]))
         self._blocks[slot] = []
         self.block_tables[slot] = -1
@@ -143,16 +357,20 @@ class KiviCache(_SlotCache):
     def free_blocks(self) -> int:
         return len(self._free_blocks)
 
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
     def begin_step(self, slots: Sequence[int], chunk_lens: Sequence[int]) -> Step:
         """Validate the step and assign the blocks its flushes need. On error nothing changes."""
         self._check_step(slots, chunk_lens)
         bs = self.cfg.block_size
         need = [math.ceil(self.cfg.num_quantized(self.seq_lens[s] + c) / bs) - len(self._blocks[s])
-                for s, c in zip(slots, chunk_lens)]
+                for s, c in zip(slots, chunk_lens, strict=True)]
         if sum(max(0, n) for n in need) > len(self._free_blocks):
             raise CacheCapacityError(f"the step needs {sum(max(0, n) for n in need)} new blocks but only "
                                      f"{len(self._free_blocks)} of {self.num_blocks} are free")
-        for slot, n in zip(slots, need):
+        for slot, n in zip(slots, need, strict=True):
             for _ in range(max(0, n)):
                 blk = self._free_blocks.pop()
                 self.block_tables[slot, len(self._blocks[slot])] = blk
@@ -161,8 +379,7 @@ class KiviCache(_SlotCache):
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         """q [tokens, H, D], k/v [tokens, Hkv, D] -> out [tokens, H, D]; appends k/v to the layer's state."""
-        return kivi_attention_(q, k, v, step.slot_ids, step.past_len, step.chunk_len, step.block_table,
-                               self.layers[layer], self.cfg)
+        return self.backend.attention(layer, q, k, v, step)
 
     @property
     def nbytes(self) -> int:
@@ -191,7 +408,6 @@ class KiviCache(_SlotCache):
         return state
 
     def rotations(self, layer: int) -> tuple[str, str]:
-        """(k_rotation, v_rotation) of a layer: what the model applies around the op (format.py)."""
         return self.cfg.k_rotation_of(layer), self.cfg.v_rotation_of(layer)
 
     def dequantized(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,7 +416,7 @@ class KiviCache(_SlotCache):
         return history(self.layers[layer], self.cfg, slot, self.block_tables[slot], self.seq_len(slot))
 
 
-class FullCache(_SlotCache):
+class FullCache(KVCache):
     """Unquantized (fp16/bf16/fp32) cache with KiviCache's interface: the baseline."""
 
     def __init__(self, geom: Geometry, max_slots: int, max_seq_len: int, dtype: torch.dtype = torch.float16,
@@ -217,7 +433,7 @@ class FullCache(_SlotCache):
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         out = torch.empty_like(q)
         offset = 0
-        for slot, s, c in zip(step.slots, step.past, step.chunk):
+        for slot, s, c in zip(step.slots, step.past, step.chunk, strict=True):
             rows = slice(offset, offset + c)
             self.k[layer][slot, :, s:s + c] = k[rows].transpose(0, 1)
             self.v[layer][slot, :, s:s + c] = v[rows].transpose(0, 1)
@@ -228,9 +444,6 @@ class FullCache(_SlotCache):
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-    def rotations(self, layer: int) -> tuple[str, str]:
-        return "none", "none"
 
     def dequantized(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.seq_len(slot)

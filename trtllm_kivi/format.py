@@ -75,6 +75,23 @@ DEFAULT_SINK_TOKENS = 0  # the paper's KIVI; recipes add sinks explicitly (runti
 DEFAULT_ROTATION = "none"  # never on by default: it helps some models and hurts others (DESIGN.md)
 
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+# The one table of dtype names: canonical names (also the C ABI's dtype codes, by index) and their short aliases.
+DTYPE_NAMES = ("float16", "bfloat16", "float32")
+DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32"}
+
+
+def canonical_dtype(name: str) -> str:
+    """A dtype name or alias (float16 / fp16, bfloat16 / bf16, float32 / fp32) -> its canonical name."""
+    n = DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
+    if n not in DTYPE_NAMES:
+        raise ValueError(f"dtype {name!r} is not supported; allowed: {', '.join(DTYPE_NAMES)} "
+                         f"(or {', '.join(DTYPE_ALIASES)})")
+    return n
+
+
+def dtype_code(name: str) -> int:
+    """The C ABI / plugin code of a dtype (index in DTYPE_NAMES)."""
+    return DTYPE_NAMES.index(canonical_dtype(name))
 
 # Order of the per-layer quantized-store and window buffers everywhere (op inputs/outputs, plugin, ONNX graph).
 BUFFER_NAMES = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_window", "v_window")
@@ -91,6 +108,10 @@ def _check_choice(name: str, value, allowed) -> None:
     bad_type = isinstance(value, bool) or (isinstance(allowed[0], int) and not isinstance(value, numbers.Integral))
     if bad_type or value not in allowed:
         raise ValueError(f"{name}={value!r} is not supported; allowed: {', '.join(map(str, allowed))}")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # True is an int to Python, not a length
 
 
 @dataclass(frozen=True)
@@ -135,9 +156,9 @@ class KiviConfig:
         _check_choice("group_size", self.group_size, SUPPORTED_GROUP_SIZES)
         _check_choice("scale_dtype", self.scale_dtype, SUPPORTED_SCALE_DTYPES)
         _check_choice("key_grouping", self.key_grouping, SUPPORTED_KEY_GROUPINGS)
-        if not isinstance(self.residual_length, int) or self.residual_length < 0:
+        if not _is_int(self.residual_length) or self.residual_length < 0:
             raise ValueError(f"residual_length={self.residual_length!r} must be an integer >= 0")
-        if (not isinstance(self.block_size, int) or self.block_size <= 0
+        if (not _is_int(self.block_size) or self.block_size <= 0
                 or self.block_size % self.group_size != 0):
             raise ValueError(f"block_size={self.block_size!r} must be a positive multiple of "
                              f"group_size={self.group_size}")
@@ -200,6 +221,10 @@ class KiviConfig:
             return 0
         return free // self.group_size * self.group_size
 
+    def max_blocks_per_seq(self, max_seq_len: int) -> int:
+        """Block-table width for sequences of up to max_seq_len tokens (at least 1)."""
+        return max(1, math.ceil(self.num_quantized(max_seq_len) / self.block_size))
+
     def check_head_dim(self, head_dim: int) -> None:
         """The torch reference needs whole words and whole value groups per head."""
         if head_dim <= 0 or head_dim % 32 != 0:
@@ -247,7 +272,7 @@ class Geometry:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
+            if not _is_int(v) or v <= 0:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
@@ -284,7 +309,7 @@ def buffer_shapes(cfg: KiviConfig, num_kv_heads: int, head_dim: int, num_blocks:
 
 def buffer_dtypes(cfg: KiviConfig, act_dtype: str) -> dict[str, str]:
     """Dtype names of one layer's cache buffers (act_dtype: float16, bfloat16 or float32)."""
-    _check_choice("act_dtype", act_dtype, SUPPORTED_SCALE_DTYPES)
+    _check_choice("act_dtype", act_dtype, DTYPE_NAMES)
     sz = cfg.scale_dtype
     return {"k_codes": WORD_DTYPE, "k_scale": sz, "k_zero": sz, "v_codes": WORD_DTYPE, "v_scale": sz,
             "v_zero": sz, "k_window": act_dtype, "v_window": act_dtype}

@@ -81,14 +81,7 @@ def _drive(sched: Scheduler, requests: list[BenchRequest], limit: int | None, on
 
 def runner_geometry(runner: Runner) -> tuple[Geometry, KiviConfig | None, int]:
     """(geometry, KIVI config or None for an unquantized cache, activation bytes) of a runner's cache."""
-    cache = getattr(runner, "cache", None)
-    geom = getattr(cache, "geom", None) or getattr(runner, "geom", None)
-    if geom is None:
-        raise ValueError(f"cannot read the model geometry of the {runner.name} runner")
-    cfg = getattr(cache, "cfg", None) or getattr(runner, "cfg", None)
-    dtype = getattr(cache, "dtype", None)
-    act_bytes = dtype.itemsize if dtype is not None else 2
-    return geom, cfg if isinstance(cfg, KiviConfig) else None, act_bytes
+    return runner.geometry, runner.kivi_config, runner.activation_dtype.itemsize
 
 
 def memory_figures(runner: Runner, max_sequence_length: int, kv_memory_gb: float,

@@ -3,7 +3,9 @@
     DIR/model.onnx            the graph (onnx_export.py), weights in DIR/model.onnx.data (external data)
     DIR/tokenizer.json        the tokenizer, with tokenizer_config.json (BOS/EOS, chat template) and
     DIR/chat_template.jinja   the chat template when the checkpoint has one
-    DIR/build_config.json     KiviConfig, FORMAT_VERSION, geometry, dtype, maxima, versions, check results, engine
+    DIR/build_config.json     the one record of what was built (op.GraphInfo: KIVI config, geometry, dtype, maxima,
+                              vocabulary) + FORMAT_VERSION, versions, check results, engine; runtime/build_folder.py
+                              reads it for every runner and for serving
     DIR/model.engine          the TensorRT engine, when TensorRT and the plugin library are present
 
 Everything is written into a temporary folder next to DIR and renamed at the end, so a failed build leaves nothing
@@ -24,13 +26,9 @@ from typing import Callable
 
 from .. import __version__
 from ..format import FORMAT_VERSION, KiviConfig
-from ..plugin import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, plugin_fields
-from .onnx_export import ExportSpec, export_llama, save_model
-
-BUILD_CONFIG = "build_config.json"
-ONNX_FILE = "model.onnx"
-ENGINE_FILE = "model.engine"
-BUILD_SCHEMA = 1  # version of build_config.json's layout
+from ..op import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, ExportSpec
+from ..runtime.build_folder import BUILD_CONFIG, BUILD_SCHEMA, ENGINE_FILE, ONNX_FILE
+from .onnx_export import export_llama, graph_info, save_model
 
 # Real English text for the check's prompts (tokenized and repeated to the lengths the check needs).
 CHECK_TEXT = (
@@ -169,7 +167,8 @@ def build(opts: BuildOptions, log: Callable[[str], None] = print, progress: bool
         if spec.max_seq_len > mc.max_seq_len:
             raise ValueError(f"max_seq_len={spec.max_seq_len} exceeds the model's context of {mc.max_seq_len} "
                              f"tokens; allowed: 1..{mc.max_seq_len}")
-        fields = plugin_fields(opts.kivi, mc.n_heads, mc.n_kv_heads, mc.head_dim)  # validates cfg vs geometry
+        info = graph_info(model, opts.kivi, spec)
+        info.fields()  # validates the KIVI config against the geometry before any work
         bar.update()
 
         bar.set_postfix_str("export ONNX")
@@ -190,7 +189,7 @@ def build(opts: BuildOptions, log: Callable[[str], None] = print, progress: bool
             from .check import check_graph
 
             on_disk = onnx.load(str(tmp / ONNX_FILE))  # check what was written, external data included
-            res = check_graph(model, on_disk, check_prompts(tok, opts.kivi, spec, opts.check_steps),
+            res = check_graph(model, on_disk, info, check_prompts(tok, opts.kivi, spec, opts.check_steps),
                               opts.check_steps, progress=bar.update)
             check = res.to_dict()
             if not res.passed:
@@ -207,12 +206,8 @@ def build(opts: BuildOptions, log: Callable[[str], None] = print, progress: bool
         config = {
             "schema": BUILD_SCHEMA, "key": key, "format_version": FORMAT_VERSION,
             "model": {"source": opts.model, "path": str(model_path.resolve()), "config": _model_config_dict(mc)},
-            "kivi_config": opts.kivi.to_dict(), "geometry": dataclasses.asdict(mc.geometry), "dtype": spec.dtype,
-            "maxima": {"max_batch_size": spec.max_batch_size, "max_seq_len": spec.max_seq_len,
-                       "max_num_tokens": spec.max_num_tokens, "max_blocks_per_seq": spec.max_blocks_per_seq(opts.kivi),
-                       "num_blocks": spec.num_blocks(opts.kivi)},
-            "plugin": {"name": PLUGIN_NAME, "version": PLUGIN_VERSION, "namespace": PLUGIN_NAMESPACE,
-                       "fields": fields},
+            **info.to_dict(),
+            "plugin": {"name": PLUGIN_NAME, "version": PLUGIN_VERSION, "namespace": PLUGIN_NAMESPACE},
             "tokenizer": {"bos_id": tok.bos_id, "eos_ids": list(tok.eos_ids or mc.eos_token_ids),
                           "add_bos": bool(tok.add_bos)},
             "files": {"onnx": ONNX_FILE, "onnx_data": ONNX_FILE + ".data", "tokenizer": "tokenizer.json",

@@ -17,6 +17,7 @@ import onnx
 import torch
 
 from ..cache import KiviCache
+from ..op import GraphInfo
 from ..runtime.ort_runner import OrtRunner
 from ..runtime.torch_runner import TorchRunner
 
@@ -76,31 +77,31 @@ def reference_model(model, dtype: str):
     return ref
 
 
-def check_graph(model, graph: onnx.ModelProto, prompts: list[list[int]], decode_steps: int = 64,
+def check_graph(model, graph: onnx.ModelProto, info: GraphInfo, prompts: list[list[int]], decode_steps: int = 64,
                 progress: Callable[[int], None] | None = None, threads: int | None = None) -> CheckResult:
     """Run both runtimes over a prefill of `prompts` (one ragged step) plus `decode_steps` decode steps. Torch runs
     single-threaded meanwhile: onnxruntime's threads and the Python op's torch calls would contend."""
-    threads = torch.get_num_threads()
+    torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _check(model, graph, prompts, decode_steps, progress, threads)
+        return _check(model, graph, info, prompts, decode_steps, progress, threads)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(torch_threads)
 
 
-def _check(model, graph, prompts, decode_steps, progress, threads) -> CheckResult:
+def _check(model, graph, info, prompts, decode_steps, progress, threads) -> CheckResult:
     import time
 
     t0 = time.perf_counter()
-    ort = OrtRunner(graph, threads)
+    ort = OrtRunner(graph, info, threads)
     if len(prompts) > ort.max_slots:
         raise ValueError(f"{len(prompts)} check prompts but the graph has max_batch_size={ort.max_slots}")
     longest = max(map(len, prompts)) + decode_steps
     if longest > ort.max_seq_len:
         raise ValueError(f"check needs {longest} tokens per sequence; the graph has max_seq_len={ort.max_seq_len}")
-    ref = reference_model(model, ort.spec.dtype)
-    cache = KiviCache(ort.cfg, ort.geom, ort.max_slots, ort.max_seq_len, dtype=torch.float32,
-                      num_blocks=ort.cache.num_blocks)
+    ref = reference_model(model, info.spec.dtype)
+    cache = KiviCache(info.kivi, info.geometry, ort.max_slots, ort.max_seq_len, dtype=torch.float32,
+                      num_blocks=info.num_blocks)
     torch_runner = TorchRunner(ref, cache)
 
     slots = [ort.add_sequence() for _ in prompts]
@@ -120,7 +121,7 @@ def _check(model, graph, prompts, decode_steps, progress, threads) -> CheckResul
 
     words = differing = 0
     d_sz = m_sz = d_win = m_win = 0.0
-    for layer in range(ort.geom.num_layers):
+    for layer in range(info.geometry.num_layers):
         for s in slots:
             x, y = ort.cache.sequence_state(s, layer), cache.sequence_state(s, layer)
             for name in x:
@@ -136,4 +137,4 @@ def _check(model, graph, prompts, decode_steps, progress, threads) -> CheckResul
     return CheckResult([len(p) for p in prompts], decode_steps, d_prefill, d_decode, scale,
                        same / (decode_steps + 1), words, differing, d_sz / max(m_sz, 1e-30),
                        d_win / max(m_win, 1e-30),
-                       [ort.cfg.num_quantized(ort.seq_len(s)) for s in slots], time.perf_counter() - t0)
+                       [info.kivi.num_quantized(ort.seq_len(s)) for s in slots], time.perf_counter() - t0)

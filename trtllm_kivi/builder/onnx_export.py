@@ -14,7 +14,7 @@ One graph run is one step of a ragged batch (DESIGN.md): the tokens of B sequenc
              each present.* to its past.* buffer: the op updates the cache in place in TensorRT)
 
 Every floating op runs in the activation dtype except RMSNorm's statistics (fp32, like the torch model), the RoPE
-tables (fp32, cast once per step) and the logits (cast to fp32). The node's attributes are plugin.plugin_fields +
+tables (fp32, cast once per step) and the logits (cast to fp32). The node's attributes are op.plugin_fields +
 plugin_version / plugin_namespace, which TensorRT's ONNX parser uses to pick the registered plugin.
 
 Format v2 rotation (format.py) lives in the graph, around the node: in a layer whose k_rotation is hadamard, post-RoPE
@@ -25,57 +25,21 @@ agree by construction.
 
 from __future__ import annotations
 
-import json
-import math
 import os
-from dataclasses import asdict, dataclass
 
 import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper
 
-from ..format import BUFFER_NAMES, FORMAT_VERSION, KiviConfig, buffer_dtypes, buffer_shapes
-from ..plugin import FIELD_NAMES, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, plugin_fields
+from ..format import BUFFER_NAMES, KiviConfig, buffer_dtypes, buffer_shapes
+from ..op import (DOMAIN, FIELD_NAMES, GRAPH_DTYPES, LOGITS, OPSET, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION,
+                  STEP_INPUTS, ExportSpec, GraphInfo, cache_io_names, plugin_fields)
 from ..reference.rotation import hadamard
 
-DOMAIN = PLUGIN_NAMESPACE  # custom-op domain of the KiviAttention nodes
-OPSET = 18
-SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
+SUPPORTED_DTYPES = GRAPH_DTYPES
 ONNX_DTYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16, "float32": TensorProto.FLOAT,
                "int32": TensorProto.INT32}
-STEP_INPUTS = ("input_ids", "positions", "slot_ids", "past_len", "chunk_len", "block_table", "logit_rows")
-
-
-@dataclass(frozen=True)
-class ExportSpec:
-    """What a graph is built for: cache geometry and the maxima of its dynamic dimensions."""
-
-    dtype: str  # activation dtype of the graph
-    max_batch_size: int  # sequences per step = cache slots
-    max_seq_len: int  # tokens per sequence
-    max_num_tokens: int  # tokens per step (all sequences)
-
-    def __post_init__(self) -> None:
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported; allowed: {', '.join(SUPPORTED_DTYPES)}")
-        for name, lo in (("max_batch_size", 1), ("max_seq_len", 1), ("max_num_tokens", self.max_batch_size)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise ValueError(f"{name}={v!r} must be an integer >= {lo}")
-
-    def max_blocks_per_seq(self, cfg: KiviConfig) -> int:
-        """Block-table width: the same as KiviCache(max_seq_len=...) allocates."""
-        return max(1, math.ceil(cfg.num_quantized(self.max_seq_len) / cfg.block_size))
-
-    def num_blocks(self, cfg: KiviConfig) -> int:
-        """Blocks in each layer's pool: every slot can reach max_seq_len."""
-        return self.max_batch_size * self.max_blocks_per_seq(cfg)
-
-
-def cache_io_names(layer: int) -> tuple[list[str], list[str]]:
-    """(past.*, present.*) tensor names of one layer, in BUFFER_NAMES order."""
-    return [f"past.{layer}.{n}" for n in BUFFER_NAMES], [f"present.{layer}.{n}" for n in BUFFER_NAMES]
 
 
 def kivi_attention_schema() -> onnx.defs.OpSchema:
@@ -169,6 +133,11 @@ def _w(p) -> torch.Tensor:
     return p if isinstance(p, torch.Tensor) else p.weight
 
 
+def graph_info(model, cfg: KiviConfig, spec: ExportSpec) -> GraphInfo:
+    """What export_llama(model, cfg, spec) is built for: the record a runner drives it by (build_config.json)."""
+    return GraphInfo(cfg, model.cfg.geometry, spec, model.cfg.vocab_size)
+
+
 def export_llama(model, cfg: KiviConfig, spec: ExportSpec) -> onnx.ModelProto:
     """A models.llama.LlamaModel -> ONNX ModelProto (weights as initializers; save with save_model)."""
     register_schema()
@@ -188,7 +157,7 @@ def export_llama(model, cfg: KiviConfig, spec: ExportSpec) -> onnx.ModelProto:
               helper.make_tensor_value_info("chunk_len", i32, ["batch"]),
               helper.make_tensor_value_info("block_table", i32, ["batch", mb]),
               helper.make_tensor_value_info("logit_rows", i32, ["num_logits"])]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["num_logits", mc.vocab_size])]
+    outputs = [helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["num_logits", mc.vocab_size])]
 
     g.const("axes_last", np.array([-1], np.int64))
     g.const(f"eps_{mc.norm_eps!r}", np.array(mc.norm_eps, np.float32))
@@ -248,15 +217,12 @@ def export_llama(model, cfg: KiviConfig, spec: ExportSpec) -> onnx.ModelProto:
     x = g.op1("Gather", x, "logit_rows", axis=0)  # [rows, dim]: only the rows whose logits are wanted
     x = g.rms_norm(x, g.weight("norm.weight", model.norm.weight), mc.norm_eps)
     head = embed if model.lm_head is None else g.weight("lm_head.weight", _w(model.lm_head))
-    g.op("Cast", [g.linear(x, head)], outputs=["logits"], to=TensorProto.FLOAT)
+    g.op("Cast", [g.linear(x, head)], outputs=[LOGITS], to=TensorProto.FLOAT)
 
     graph = helper.make_graph(g.nodes, f"{mc.name}_kivi", inputs, outputs, g.inits, value_info=g.value_info)
     m = helper.make_model(graph, producer_name="trtllm-kivi",
                           opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)])
     m.ir_version = 9  # what onnxruntime and TensorRT's parser read today
-    meta = {"format_version": FORMAT_VERSION, "kivi_config": cfg.to_dict(), "export": asdict(spec),
-            "max_blocks_per_seq": mb, "num_blocks": nb, "num_layers": mc.n_layers, "vocab_size": mc.vocab_size}
-    helper.set_model_props(m, {key: json.dumps(val) for key, val in meta.items()})  # read by model_metadata
     return m
 
 
@@ -267,8 +233,3 @@ def save_model(m: onnx.ModelProto, path: str, data_name: str | None = None) -> N
     onnx.save_model(m, path, save_as_external_data=True, all_tensors_to_one_file=True, location=data_name,
                     size_threshold=1024)  # small constants (axes, shapes) stay inline for shape inference
     onnx.load_external_data_for_model(m, os.path.dirname(os.path.abspath(path)))
-
-
-def model_metadata(m: onnx.ModelProto) -> dict:
-    """metadata_props decoded back to python values."""
-    return {p.key: json.loads(p.value) for p in m.metadata_props}

@@ -17,7 +17,7 @@ import shlex
 from pathlib import Path
 
 from ..format import KiviConfig
-from .onnx_export import ExportSpec
+from ..op import ExportSpec
 
 
 def has_tensorrt() -> bool:

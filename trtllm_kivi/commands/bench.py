@@ -21,22 +21,20 @@ import sys
 import time
 from pathlib import Path
 
+from . import flags
+
 NAME = "bench"
 HELP = "benchmark a runner on a trtllm-bench dataset (prepare-dataset | latency | throughput)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..models import DEFAULT_MODEL
-    from ..runtime.kvspec import add_kv_arguments
-
     sub = p.add_subparsers(dest="bench_command", required=True, metavar="MODE")
 
     prep = sub.add_parser("prepare-dataset", help="write a trtllm-bench JSON-lines dataset",
                           description="write a trtllm-bench JSON-lines dataset (task_id, input_ids, output_tokens)")
     prep.add_argument("-o", "--output", help="file to write (default: stdout)")
-    prep.add_argument("--model", default=DEFAULT_MODEL, help="tokenizer source: built-in name, .gguf or Hugging Face "
-                      f"folder (default {DEFAULT_MODEL})")
-    prep.add_argument("--engine", metavar="DIR", help="take the tokenizer from a build folder instead")
+    flags.add_model(prep, " (the tokenizer source)")
+    flags.add_engine(prep, "take the tokenizer from a build folder instead")
     prep.add_argument("--seed", type=int, default=0)
     kinds = prep.add_subparsers(dest="dataset_kind", required=True, metavar="KIND")
     tnd = kinds.add_parser("token-norm-dist", help="random token ids, lengths ~ normal")
@@ -57,15 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         m = sub.add_parser(mode, help=help_, description=help_)
         m.add_argument("--dataset", required=True, help="trtllm-bench JSON-lines dataset")
         src = m.add_mutually_exclusive_group()
-        src.add_argument("--model", default=DEFAULT_MODEL, help=f"built-in name, .gguf or Hugging Face folder, run "
-                         f"by the torch runner over each --kv (default {DEFAULT_MODEL})")
-        src.add_argument("--engine", metavar="DIR", help="a `trtllm-kivi build` folder (its own KV cache)")
-        m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                       help="model dtype (default float32)")
-        m.add_argument("--device", default="cpu")
-        m.add_argument("--max-batch-size", type=int, default=8, help="sequence slots (default 8)")
-        m.add_argument("--max-num-tokens", type=int, default=512, help="token budget per step (default 512)")
-        m.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per request per step")
+        flags.add_model(src, ", run by the torch runner over each --kv")
+        flags.add_engine(src, "a `trtllm-kivi build` folder (its own KV cache)")
+        flags.add_dtype(m, "float32")
+        flags.add_device(m)
+        flags.add_capacity(m, 8, None, 512, 128)
         m.add_argument("--num-requests", type=int, default=0, help="use the first N requests (0: all)")
         m.add_argument("--warmup", type=int, default=2, help="unmeasured requests first (default 2)")
         m.add_argument("--repeats", type=int, default=1, help="measure the workload N times per KV spec (round "
@@ -75,9 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             m.add_argument("--streaming", action="store_true", help="stream tokens; report TTFT and TPOT")
         m.add_argument("--kv-memory-gb", type=float, default=16.0, help="KV memory budget for the max-concurrent-"
                        "sequences figures (default 16 GB)")
-        m.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+        flags.add_threads(m)
+        flags.add_backend(m)
         m.add_argument("--report-json", help="write the full report here")
-        add_kv_arguments(m, default="kivi2")
+        flags.add_kv(m, many=True)
         m.set_defaults(_mode=mode)
 
 
@@ -86,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _tokenizer(model: str | None, engine: str | None):
     if engine:
-        from ..runtime.select import BuildFolder
+        from ..runtime.build_folder import BuildFolder
 
         return BuildFolder.open(engine).tokenizer()
     from ..models import Tokenizer, resolve_model
@@ -136,36 +131,32 @@ def _machine() -> dict:
 def _runners(args: argparse.Namespace, max_seq_len: int):
     """Yield (kv name, description, runner) for each KV spec, or the build folder's runner."""
     if args.engine:
+        from ..runtime.build_folder import BuildFolder
         from ..runtime.select import load_runner
 
-        from ..bench.workload import runner_geometry
-
+        kv = flags.kv_for_build(args, BuildFolder.open(args.engine).info.kivi)
         runner, why = load_runner(args.engine, threads=args.threads)
-        _geom, kivi, _ = runner_geometry(runner)
-        yield (f"engine:k{kivi.k_bits}v{kivi.v_bits}" if kivi else "engine"), why, runner
+        yield f"engine:{kv.name}", why, runner
         return
     from ..models import load_model
-    from ..runtime.kvspec import kv_from_args
     from ..runtime.torch_runner import TorchRunner
 
-    specs = [kv_from_args(args, s) for s in args.kv.split(",")]  # validate all before the model load
+    specs = [flags.kv_from_args(args, s) for s in flags.kv_names(args)]  # validate all before the model load
     model, _tok, cfg = load_model(args.model, args.dtype, args.device)
     if max_seq_len > cfg.max_seq_len:
         raise ValueError(f"the dataset needs {max_seq_len} tokens per sequence; the model's context is "
                          f"{cfg.max_seq_len}")
     for spec in specs:
-        yield spec.name, spec.describe(), TorchRunner.create(model, spec, args.max_batch_size, max_seq_len)
+        yield spec.name, spec.describe(), TorchRunner.create(model, spec, args.max_batch_size, max_seq_len,
+                                                             backend=args.attention_backend)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import torch
-
     from ..bench.dataset import read_dataset, summary
     from ..bench.metrics import format_statistics
     from ..bench.workload import memory_figures, run_workload
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    flags.set_threads(args.threads)
     tok = None
     with open(args.dataset) as f:
         needs_tok = any('"prompt"' in line and '"input_ids"' not in line for line in f)

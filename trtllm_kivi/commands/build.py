@@ -10,22 +10,17 @@ import sys
 from pathlib import Path
 
 from ..builder.build import BuildOptions, build
-from ..builder.onnx_export import SUPPORTED_DTYPES
-from ..models import DEFAULT_MODEL
-from ..runtime.kvspec import add_kv_arguments, kv_from_args
+from . import flags
 
 NAME = "build"
 HELP = "compile a Llama checkpoint into an ONNX graph with KiviAttention nodes (+ TensorRT engine when available)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"built-in name, .gguf file or Hugging Face checkpoint "
-                   f"folder (default: {DEFAULT_MODEL})")
+    flags.add_model(p)
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="build folder to write")
-    p.add_argument("--dtype", default="float16", choices=SUPPORTED_DTYPES,
-                   help="activation dtype of the graph/engine (default float16)")
-    p.add_argument("--max-batch-size", type=int, default=4, help="sequences per step = cache slots (default 4)")
-    p.add_argument("--max-seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    flags.add_dtype(p, "float16", "activation dtype of the graph/engine")
+    flags.add_capacity(p, 4, 2048, None, None)
     p.add_argument("--max-num-tokens", type=int, help="tokens per step, all sequences (default: --max-seq-len)")
     p.add_argument("--check-steps", type=int, default=64, help="decode steps of the onnxruntime check against "
                    "the torch runtime (default 64; 0 skips the check)")
@@ -33,11 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "$TRTLLM_KIVI_PLUGIN_LIB or build/plugins/)")
     p.add_argument("--force", action="store_true", help="replace an existing different build in DIR")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_kv_arguments(p)
+    flags.add_kv(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    kv = kv_from_args(args)
+    kv = flags.kv_from_args(args)
     if kv.kivi is None:
         raise ValueError(f"--kv {args.kv}: a build needs a KIVI cache (kivi2, kivi4, k4v2, ...); unquantized caches "
                          f"have no KiviAttention plugin")

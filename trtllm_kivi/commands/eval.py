@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from . import flags
+
 NAME = "eval"
 HELP = "decode-mode evaluation: perplexity, KL/top-1 vs FP16, error growth, passkey retrieval"
 
@@ -29,12 +31,10 @@ def _floats(s: str) -> list[float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..runtime.kvspec import add_kv_arguments
-
-    p.add_argument("--model", default="smollm2-135m", help="built-in name, .gguf file or HF checkpoint folder "
-                   "(default smollm2-135m)")
-    p.add_argument("--dtype", default="float32", help="model/activation dtype (default float32)")
-    add_kv_arguments(p, default=DEFAULT_KV)  # --kv takes a comma-separated list here
+    flags.add_model(p)
+    flags.add_dtype(p, "float32")
+    flags.add_kv(p, default=DEFAULT_KV, many=True)
+    flags.add_backend(p)
     p.add_argument("--reference", default="fp16", help="configuration the others are compared with (default fp16)")
     p.add_argument("--tasks", default="ppl,passkey", help=f"comma-separated subset of {','.join(TASKS)}")
     p.add_argument("--text", metavar="FILE", help="evaluate on this UTF-8 text file instead of the built-in corpus")
@@ -73,9 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "attention-output error by more than this fraction (default 0.1)")
     r.add_argument("--write-config", metavar="FILE", help="KV config file to write (default <out-dir>/"
                    "kv_config.json, or ./kv_config.json)")
-    p.add_argument("--no-memo", action="store_true", help="use the plain reference KIVI attention (slower; same "
-                   "results bit for bit)")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--no-memo", action="store_true", help="alias of --attention-backend reference (the plain, "
+                   "slower reference; the memo backend gives the same results bit for bit)")
+    flags.add_threads(p)
     p.add_argument("--out-dir", help="write <name>.json, <name>.md and <name>_error_growth.png here")
     p.add_argument("--name", default="quality", help="file name stem for --out-dir (default quality)")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
@@ -86,7 +86,6 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from ..models import load_model, resolve_model
-    from ..runtime.kvspec import kv_from_args
     from ..eval import corpus
     from ..eval.quality import QualitySetup, evaluate_quality
     from ..eval.report import markdown_report
@@ -96,12 +95,14 @@ def run(args: argparse.Namespace) -> int:
     bad = [t for t in tasks if t not in TASKS]
     if bad or not tasks:
         raise ValueError(f"--tasks {args.tasks!r}: unknown {bad}; allowed: {', '.join(TASKS)}")
-    names = [s.strip() for s in args.kv.split(",") if s.strip()]
-    specs = {n: kv_from_args(args, n) for n in names}  # validates every name before any work
+    names = flags.kv_names(args)
+    if getattr(args, "kv_config", None) and args.reference not in names:  # evaluate the file's recipe vs the reference
+        names = [args.reference, *names]
+    specs = {n: flags.kv_from_args(args, n) for n in names}  # validates every name before any work
+    backend = "reference" if args.no_memo else args.attention_backend
     if args.reference not in specs:
         raise ValueError(f"--reference {args.reference!r} must be one of --kv {names}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    flags.set_threads(args.threads)
     setup = QualitySetup(args.segments, args.segment_len, args.prefix, 32, args.offset, args.batch)
     lengths, depths = _ints(args.passkey_lengths), _floats(args.passkey_depths)
     if args.recommend:
@@ -122,14 +123,14 @@ def run(args: argparse.Namespace) -> int:
               "kv": {n: s.describe() for n, s in specs.items()},
               "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
                           "torch": torch.__version__, "threads": torch.get_num_threads()},
-              "memo_attention": not args.no_memo}
+              "attention_backend": backend}
     show = not args.no_progress
     if "passkey" in tasks:  # built first: a bad length fails before any scoring
         encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
         prompts = passkey_prompts(encode, lengths, depths, args.passkey_seed)
 
     if "ppl" in tasks:
-        runners = {n: make_runner(model, s, min(setup.batch, setup.segments), setup.segment_len, not args.no_memo)
+        runners = {n: make_runner(model, s, min(setup.batch, setup.segments), setup.segment_len, backend)
                    for n, s in specs.items()}
         total = setup.segments * setup.scored_per_segment
         def checkpoint(partial: dict) -> None:  # a long run leaves usable files after every batch of segments
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         del runners
     if "passkey" in tasks:
         longest = max(p.num_tokens for p in prompts.values())
-        runners = {n: make_runner(model, s, 1, longest, not args.no_memo) for n, s in specs.items()}
+        runners = {n: make_runner(model, s, 1, longest, backend) for n, s in specs.items()}
         with tqdm(desc="passkey (prompts)", disable=not show, file=sys.stderr) as bar:
             def tick(name, n, d):
                 bar.set_postfix_str(f"{name} len={n} depth={d}")

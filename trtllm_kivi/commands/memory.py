@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from .. import format as fmt
-from ..format import Geometry, KiviConfig
+from ..format import Geometry
 from ..memory import (DEFAULT_PRESET, DEFAULT_SEQ_LEN, PRESETS, format_report, geometry_from_hf_config,
                       memory_report)
+from . import flags
 
 NAME = "memory"
 HELP = "KV-cache memory calculator: FP16 vs FP8 vs KIVI (pure bits and honest total)"
@@ -25,17 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help=f"tokens per sequence "
                    f"(default {DEFAULT_SEQ_LEN})")
     p.add_argument("--batch", type=int, default=1, help="number of sequences (default 1)")
-    q = p.add_argument_group("KIVI settings")
-    q.add_argument("--k-bits", type=int, default=fmt.DEFAULT_K_BITS, help=f"one of {fmt.SUPPORTED_BITS}")
-    q.add_argument("--v-bits", type=int, default=fmt.DEFAULT_V_BITS, help=f"one of {fmt.SUPPORTED_BITS}")
-    q.add_argument("--group-size", type=int, default=fmt.DEFAULT_GROUP_SIZE,
-                   help=f"G, one of {fmt.SUPPORTED_GROUP_SIZES}")
-    q.add_argument("--residual-length", type=int, default=fmt.DEFAULT_RESIDUAL_LENGTH,
-                   help="R: minimum full-precision recent tokens")
-    q.add_argument("--block-size", type=int, default=fmt.DEFAULT_BLOCK_SIZE, help="tokens per quantized block")
-    q.add_argument("--scale-dtype", default=fmt.DEFAULT_SCALE_DTYPE, help=f"one of {fmt.SUPPORTED_SCALE_DTYPES}")
-    q.add_argument("--sink-tokens", type=int, default=fmt.DEFAULT_SINK_TOKENS,
-                   help=f"S: first tokens kept in full precision (0..{fmt.MAX_SINK_TOKENS}; extra window rows)")
+    flags.add_kv(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON (exact byte counts)")
 
 
@@ -58,9 +48,11 @@ def _geometry(args: argparse.Namespace) -> tuple[Geometry, str]:
 
 def run(args: argparse.Namespace) -> int:
     geom, model = _geometry(args)
-    cfg = KiviConfig(k_bits=args.k_bits, v_bits=args.v_bits, group_size=args.group_size,
-                     residual_length=args.residual_length, block_size=args.block_size,
-                     scale_dtype=args.scale_dtype, sink_tokens=args.sink_tokens)
+    kv = flags.kv_from_args(args)
+    if kv.kivi is None:
+        raise ValueError(f"--kv {kv.name}: the calculator compares FP16 and FP8 with a KIVI cache; give a KIVI spec "
+                         f"(kivi2, kivi4, k4v2, naive2, ...)")
+    cfg = kv.kivi
     report = memory_report(geom, cfg, args.seq_len, args.batch, model)
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
     return 0

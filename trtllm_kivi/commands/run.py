@@ -1,31 +1,30 @@
 """`trtllm-kivi run`: generate text with a Llama model over a KIVI (or unquantized) KV cache, streaming to stdout,
-then report tokens/s and the KV cache bytes allocated next to the FP16 figure for the same shapes."""
+then report tokens/s and the KV cache bytes allocated next to the FP16 figure for the same shapes (or, with --json,
+one JSON object with the text and the timings)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import json
 import sys
 import time
-
-import torch
+from dataclasses import dataclass
 
 from .. import format as fmt
-from ..format import KiviConfig
-from ..models import DEFAULT_MODEL, load_model
+from ..models import load_model
 from ..runtime.base import Runner
-from ..runtime.generate import SamplingParams, TextStream, generate
-from ..runtime.kvspec import add_kv_arguments, kv_from_args
+from ..runtime.generate import Generation, SamplingParams, generate
+from ..runtime.kvspec import KVSpec
+from . import flags
 
 NAME = "run"
 HELP = "generate text with the built-in model (or a .gguf / Hugging Face folder) over a KIVI KV cache"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"built-in name, .gguf file or Hugging Face checkpoint "
-                   f"folder (default: {DEFAULT_MODEL})")
-    p.add_argument("--engine", metavar="DIR", help="run a folder made by `trtllm-kivi build` (TensorRT engine on a "
-                   "GPU when possible, else its ONNX graph with onnxruntime on the CPU)")
+    flags.add_model(p)
+    flags.add_engine(p, "run a folder made by `trtllm-kivi build` (TensorRT engine on a GPU when possible, else its "
+                     "ONNX graph with onnxruntime on the CPU)")
     p.add_argument("--runner", default="auto", choices=["auto", "tensorrt", "onnxruntime"],
                    help="runner for --engine (default auto: tensorrt when the folder, library and GPU allow)")
     p.add_argument("--prompt", action="append", required=True,
@@ -40,23 +39,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="sampling seed (prompt i uses seed + i)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the model's EOS tokens "
                    "always stop")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="model dtype (default: float32 on the CPU, float16 on CUDA)")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per step (default 512)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 is faster on a busy "
-                   "machine)")
+    flags.add_dtype(p, None)
+    flags.add_device(p)
+    flags.add_capacity(p, None, None, None, 512)  # the cache is sized to the prompts
+    flags.add_threads(p)
+    flags.add_backend(p)
     p.add_argument("--quiet", action="store_true", help="print only the generated text (no prompt, no stats)")
-    add_kv_arguments(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object: texts, token counts, timings")
+    flags.add_kv(p)
 
 
-def make_runner(args: argparse.Namespace, model, max_slots: int, max_seq_len: int) -> Runner:
-    """The runner for the command: the torch runner over the chosen KV cache. Runner selection from a build folder
-    (--engine DIR) belongs here."""
-    if args.engine:  # a build folder: the runner it and this machine allow (runtime/select.py)
+@dataclass
+class Loaded:
+    """What a run needs: the tokenizer, the model config, the KV spec and a runner factory."""
+
+    tok: object
+    cfg: object  # models.ModelConfig
+    kv: KVSpec
+    dtype: str
+    model: object | None  # the torch model (None for a build folder)
+    load_s: float
+
+
+def _load(args: argparse.Namespace) -> Loaded:
+    t0 = time.perf_counter()
+    if args.engine:  # the build folder brings its tokenizer, config and KV cache
+        from ..runtime.build_folder import BuildFolder
+
+        folder = BuildFolder.open(args.engine)
+        kv = flags.kv_for_build(args, folder.info.kivi)
+        # onnxruntime runs the graph's fp32 copy; the engine runs the build dtype
+        trt_ok = args.runner != "onnxruntime" and folder.tensorrt_unavailable() is None
+        dtype = folder.info.spec.dtype if trt_ok else "float32"
+        return Loaded(folder.tokenizer(), folder.model_config(), kv, dtype, None, time.perf_counter() - t0)
+    kv = flags.kv_from_args(args)  # validate the options before the model load
+    device = flags.device_of(args.device)
+    dtype = args.dtype or ("float32" if device.type == "cpu" else "float16")
+    model, tok, cfg = load_model(args.model, dtype, args.device)
+    return Loaded(tok, cfg, kv, dtype, model, time.perf_counter() - t0)
+
+
+def make_runner(args: argparse.Namespace, loaded: Loaded, max_slots: int, max_seq_len: int) -> Runner:
+    """The build folder's runner (--engine DIR), else the torch runner over the chosen KV cache."""
+    if args.engine:
         from ..runtime.select import load_runner
 
-        runner, why = load_runner(args.engine, prefer=args.runner)
+        runner, why = load_runner(args.engine, prefer=args.runner, threads=args.threads)
         if max_slots > runner.max_slots or max_seq_len > runner.max_seq_len:
             raise ValueError(f"{max_slots} prompts of up to {max_seq_len} tokens exceed the build's maxima "
                              f"(max batch {runner.max_slots}, max seq len {runner.max_seq_len}); rebuild with larger")
@@ -64,108 +92,95 @@ def make_runner(args: argparse.Namespace, model, max_slots: int, max_seq_len: in
         return runner
     from ..runtime.torch_runner import TorchRunner
 
-    cache = kv_from_args(args).make_cache(model.cfg.geometry, max_slots, max_seq_len, model.dtype, args.device)
+    model = loaded.model
+    cache = loaded.kv.make_cache(model.cfg.geometry, max_slots, max_seq_len, model.dtype, args.device,
+                                 backend=args.attention_backend)
     return TorchRunner(model, cache)
+
+
+def _prompts(args: argparse.Namespace, tok) -> list[list[int]]:
+    if not args.chat:
+        return [tok.encode(text) for text in args.prompt]
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    return [tok.encode(tok.apply_chat_template(system + [{"role": "user", "content": t}]), add_special_tokens=False)
+            for t in args.prompt]
+
+
+def run(args: argparse.Namespace) -> int:
+    flags.set_threads(args.threads)
+    loaded = _load(args)
+    tok, cfg = loaded.tok, loaded.cfg
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop_strings=tuple(args.stop),
+                            stop_token_ids=tuple(tok.eos_ids or cfg.eos_token_ids))
+    prompts = _prompts(args, tok)
+    max_seq_len = max(map(len, prompts)) + args.max_new_tokens
+    if max_seq_len > cfg.max_seq_len:
+        raise ValueError(f"prompt + --max-new-tokens = {max_seq_len} tokens exceeds the model's context of "
+                         f"{cfg.max_seq_len}")
+    runner = make_runner(args, loaded, len(prompts), max_seq_len)
+
+    stream = len(prompts) == 1 and not args.json
+    if stream and not args.quiet and not args.chat:
+        sys.stdout.write(args.prompt[0])
+    first: list[float] = []
+
+    def on_text(i: int, text: str) -> None:
+        if stream:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    t1 = time.perf_counter()
+    results = generate(runner, prompts, params, tok, lambda i, t: first or first.append(time.perf_counter()),
+                       args.prefill_chunk, on_text)
+    t2 = time.perf_counter()
+    timings = _timings(prompts, results, t1, first[0] if first else t2, t2, loaded.load_s)
+    if args.json:
+        print(json.dumps({"texts": [r.text for r in results], "finish_reasons": [r.finish_reason for r in results],
+                          "kv": loaded.kv.name, "runner": runner.name, **timings}))
+        return 0
+    if stream:
+        print()
+    else:
+        for i, r in enumerate(results):
+            print(f"--- [{i}] {'' if args.quiet else args.prompt[i]}{r.text}")
+    if not args.quiet:
+        _report(args, loaded, runner, timings)
+    return 0
+
+
+def _timings(prompts, results: list[Generation], t1: float, first: float, t2: float, load_s: float) -> dict:
+    new = sum(len(r.tokens) for r in results)
+    decode = new - len(results)  # tokens after each sequence's first one
+    return {"prompt_tokens": sum(map(len, prompts)), "new_tokens": new, "load_s": round(load_s, 3),
+            "seconds": round(t2 - t1, 4), "ttft_s": round(first - t1, 4),
+            "prefill_tokens_per_s": round(sum(map(len, prompts)) / (first - t1), 2) if first > t1 else None,
+            "decode_tokens_per_s": round(decode / (t2 - first), 2) if decode > 0 and t2 > first else None}
 
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def run(args: argparse.Namespace) -> int:
-    kv = kv_from_args(args)  # validate the options before the model load
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop_strings=tuple(args.stop))
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads {args.threads} must be >= 1")
-        torch.set_num_threads(args.threads)
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise ValueError(f"--device {args.device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: CUDA is not available to this torch build")
-    if args.dtype is None:
-        args.dtype = "float32" if device.type == "cpu" else "float16"
-    t0 = time.perf_counter()
-    if args.engine:  # the build folder brings its tokenizer and config; make_runner opens its graph/engine
-        from ..runtime.select import BuildFolder
-
-        folder = BuildFolder.open(args.engine)
-        model, tok, cfg = None, folder.tokenizer(), folder.model_config()
-        kivi = KiviConfig.from_dict(folder.config["kivi_config"])
-        name = f"kivi{kivi.k_bits}" if kivi.k_bits == kivi.v_bits else f"k{kivi.k_bits}v{kivi.v_bits}"
-        kv = dataclasses.replace(kv, name=name, kivi=kivi)
-        # onnxruntime runs the graph's fp32 copy; the engine runs the build dtype
-        trt_ok = args.runner != "onnxruntime" and folder.tensorrt_unavailable() is None
-        args.dtype = folder.config["dtype"] if trt_ok else "float32"
-    else:
-        model, tok, cfg = load_model(args.model, args.dtype, args.device)
-    load_s = time.perf_counter() - t0
-    params = dataclasses.replace(params, stop_token_ids=tuple(tok.eos_ids or cfg.eos_token_ids))
-    if args.chat:
-        prompts = []
-        for text in args.prompt:
-            msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
-                [{"role": "user", "content": text}]
-            prompts.append(tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False))
-    else:
-        prompts = [tok.encode(text) for text in args.prompt]
-    max_seq_len = max(map(len, prompts)) + args.max_new_tokens
-    if max_seq_len > cfg.max_seq_len:
-        raise ValueError(f"prompt + --max-new-tokens = {max_seq_len} tokens exceeds the model's context of "
-                         f"{cfg.max_seq_len}")
-    runner = make_runner(args, model, len(prompts), max_seq_len)
-
-    single = len(prompts) == 1
-    stream = TextStream(tok)
-    text, shown = "", 0  # streamed text so far, and how much of it is on screen
-    hold = max(map(len, args.stop), default=1) - 1  # chars that could be the start of a stop string
-    first: list[float] = []
-    if single and not args.quiet and not args.chat:
-        sys.stdout.write(args.prompt[0])
-
-    def on_token(i: int, token: int) -> None:
-        nonlocal text, shown
-        if not first:
-            first.append(time.perf_counter())
-        if single:
-            text += stream.push(token)
-            safe = min([len(text) - hold] + [text.find(s) for s in args.stop if s in text])
-            if safe > shown:
-                sys.stdout.write(text[shown:safe])
-                sys.stdout.flush()
-                shown = safe
-
-    t1 = time.perf_counter()
-    results = generate(runner, prompts, params, tok, on_token, args.prefill_chunk)
-    t2 = time.perf_counter()
-    if single:
-        print(results[0].text[shown:])  # the held-back tail, cut before a stop string
-    else:
-        for i, r in enumerate(results):
-            print(f"--- [{i}] {'' if args.quiet else args.prompt[i]}{r.text}")
-    if args.quiet:
-        return 0
-    new = sum(len(r.tokens) for r in results)
-    ttft = (first[0] if first else t2) - t1
-    decode = new - len(results)  # tokens after each sequence's first one
+def _report(args: argparse.Namespace, loaded: Loaded, runner: Runner, t: dict) -> None:
+    cfg, kv = loaded.cfg, loaded.kv
     print(f"\n[model] {cfg.name}: {cfg.n_layers} layers, {cfg.n_heads} heads / {cfg.n_kv_heads} KV heads x "
-          f"{cfg.head_dim}, {args.dtype} on {args.device}, loaded in {load_s:.1f} s")
-    print(f"[kv] {kv.describe()}")
-    print(f"[speed] {sum(map(len, prompts))} prompt tokens, {new} new tokens in {t2 - t1:.2f} s: "
-          f"{new / (t2 - t1):.1f} tokens/s overall, first token after {ttft:.2f} s"
-          + (f", decode {decode / (t2 - first[0]):.1f} tokens/s" if first and decode > 0 and t2 > first[0] else ""))
+          f"{cfg.head_dim}, {loaded.dtype} on {args.device}, loaded in {loaded.load_s:.1f} s")
+    print(f"[kv] {kv.describe()}, attention: {runner.attention_backend}")
+    print(f"[speed] {t['prompt_tokens']} prompt tokens, {t['new_tokens']} new tokens in {t['seconds']:.2f} s: "
+          f"{t['new_tokens'] / t['seconds']:.1f} tokens/s overall, first token after {t['ttft_s']:.2f} s"
+          + (f", decode {t['decode_tokens_per_s']:.1f} tokens/s" if t["decode_tokens_per_s"] else ""))
     fp16 = fmt.dense_bytes_per_token(cfg.geometry, 2) * runner.max_seq_len * runner.max_slots
-    window = f", {model.dtype if model is not None else args.dtype} window" if kv.quantized else ""
+    window = f", {runner.activation_dtype} window" if kv.quantized else ""
     print(f"[memory] KV cache allocated: {runner.kv_nbytes} bytes ({_mib(runner.kv_nbytes)}) for "
           f"{runner.max_slots} x {runner.max_seq_len} tokens{window}; FP16 cache of the same shapes: {int(fp16)} "
           f"bytes ({_mib(fp16)}); allocated / FP16 = {runner.kv_nbytes / fp16:.2f}")
-    if kv.quantized:  # short runs are dominated by the fixed full-precision window; show the long-context figure
+    if kv.kivi is not None:  # short runs are dominated by the fixed full-precision window; show the long-context one
         n = cfg.max_seq_len
         kivi = fmt.kivi_total_bytes(kv.kivi, cfg.geometry, n, act_bytes=2)
+        dense = fmt.dense_bytes_per_token(cfg.geometry, 2) * n
         print(f"[memory] one {n}-token sequence (the model's context), fp16 window: {kv.name} {_mib(kivi)} vs FP16 "
-              f"{_mib(fmt.dense_bytes_per_token(cfg.geometry, 2) * n)} "
-              f"({fmt.dense_bytes_per_token(cfg.geometry, 2) * n / kivi:.2f}x smaller)")
-    return 0
+              f"{_mib(dense)} ({dense / kivi:.2f}x smaller)")
+
+
+__all__ = ["add_arguments", "run", "make_runner"]

@@ -9,34 +9,28 @@ import signal
 import sys
 
 from ..serving.config import ServingConfig
+from . import flags
 from ..serving.repository import DEFAULT_MODEL_NAME, write_repository
 
 NAME = "triton"
 HELP = "write a Triton model repository serving a build folder or model through the KIVI runner + scheduler"
 
-KV_OPTIONS = ("k_bits", "v_bits", "group_size", "residual_length", "block_size", "scale_dtype")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..runtime.kvspec import add_kv_arguments
-
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--engine", metavar="DIR", help="a folder made by `trtllm-kivi build`")
+    flags.add_engine(src)
     src.add_argument("--model", help="built-in name (smollm2-135m), .gguf file or Hugging Face folder, served by "
                      "the torch runner over --kv")
     p.add_argument("-o", "--output", required=True, metavar="REPO", help="model repository folder to write")
     p.add_argument("--name", default=DEFAULT_MODEL_NAME, help=f"model name in the repository (default "
                    f"{DEFAULT_MODEL_NAME})")
-    p.add_argument("--max-slots", type=int, default=8, help="sequences served at once (default 8)")
-    p.add_argument("--max-seq-len", type=int, default=1024, help="prompt + generated tokens per sequence "
-                   "(default 1024)")
-    p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per step per request (default 128)")
-    p.add_argument("--max-batch-tokens", type=int, default=512, help="token budget of one step (default 512)")
+    flags.add_capacity(p, 8, 1024, 512, 128, aliases=True)  # --max-slots / --max-batch-tokens: old names
     p.add_argument("--default-max-tokens", type=int, default=64, help="max_tokens when a request gives none")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="model dtype for --model (default float32)")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu; cuda on a GPU machine)")
-    p.add_argument("--num-threads", type=int, help="torch CPU threads in the server (default: torch's choice)")
+    flags.add_dtype(p, "float32", "model dtype for --model")
+    flags.add_device(p)
+    flags.add_threads(p, "--num-threads")  # --num-threads: the old name
+    flags.add_backend(p)
     p.add_argument("--force", action="store_true", help="replace an existing model folder of that name")
     p.add_argument("--launch", action="store_true", help="then start tritonserver on the repository (127.0.0.1, "
                    "free ports) from the serving env and serve until Ctrl-C")
@@ -44,26 +38,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "$TRTLLM_KIVI_TRITON_ENV or ~/.cache/trtllm-kivi/triton-venv)")
     p.add_argument("--http-port", type=int, help="with --launch (default: a free port)")
     p.add_argument("--grpc-port", type=int, help="with --launch (default: a free port)")
-    add_kv_arguments(p)
+    flags.add_kv(p)
 
 
 def serving_config(args: argparse.Namespace) -> ServingConfig:
     from pathlib import Path
 
     from ..models import resolve_model
-    from ..runtime.kvspec import kv_from_args
+    from ..runtime.build_folder import BuildFolder
 
-    kv_from_args(args)  # validate the KV options now, not at server start
-    kv_options = {k: getattr(args, k) for k in KV_OPTIONS if getattr(args, k, None) is not None}
     model = engine = None
     if args.engine:
+        kv = flags.kv_for_build(args, BuildFolder.open(args.engine).info.kivi)  # the folder's config; no override
         engine = str(Path(args.engine).resolve())
     else:  # an absolute file path: the server's python env need not have the built-in model's package
+        kv = flags.kv_from_args(args)  # validate the KV options now, not at server start
         model = str(resolve_model(args.model).resolve())
-    return ServingConfig(model=model, engine=engine, kv=args.kv, kv_options=kv_options, dtype=args.dtype,
-                         device=args.device, max_slots=args.max_slots, max_seq_len=args.max_seq_len,
-                         prefill_chunk=args.prefill_chunk, max_batch_tokens=args.max_batch_tokens,
-                         default_max_tokens=args.default_max_tokens, num_threads=args.num_threads)
+    return ServingConfig(model=model, engine=engine, kv=kv.name, kv_options=flags.kv_options(args) if model else {},
+                         dtype=args.dtype, device=args.device, max_slots=args.max_batch_size,
+                         max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
+                         max_batch_tokens=args.max_num_tokens, default_max_tokens=args.default_max_tokens,
+                         num_threads=args.threads, attention_backend=args.attention_backend)
 
 
 def run(args: argparse.Namespace) -> int:

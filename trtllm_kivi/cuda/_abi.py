@@ -1,7 +1,8 @@
 """ctypes view of the KIVI kernel library's C ABI (plugins/kernels/include/kiviCApi.h).
 
-Imports only the standard library, so the CPU tests can load the host-only build (validation and launch plan, g++)
-and the GPU machine can load the full one without our venv.
+Imports only the standard library and trtllm_kivi.format / trtllm_kivi.op (themselves standard-library only), so the
+CPU tests can load the host-only build (validation and launch plan, g++) and the GPU machine can load the full one
+without our venv.
 """
 
 from __future__ import annotations
@@ -10,13 +11,16 @@ import ctypes
 import os
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from ..format import DTYPE_NAMES
+from ..op import BUILD_DIR as DEFAULT_BUILD_DIR
+from ..op import REPO_ROOT, find_library as _find
+from ..op import library_candidates as _candidates
+
 LIB_NAME = "libtrtllm_kivi_kernels.so"
 LIB_ENV = "TRTLLM_KIVI_KERNELS_LIB"
-DEFAULT_BUILD_DIR = REPO_ROOT / "build" / "plugins"
 
 # KiviDataType / KiviErrorBits / phases, as in plugins/kernels/include/kiviParams.h.
-DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
+DTYPE_CODES = {n: i for i, n in enumerate(DTYPE_NAMES)}  # format.dtype_code
 ERR_LENGTH, ERR_CAPACITY, ERR_SLOT, ERR_BLOCK_ID = 1, 2, 4, 8
 PHASE_ATTENTION, PHASE_APPEND, PHASE_STEP = 1, 2, 3
 ATTN_AUTO, ATTN_SIMT, ATTN_TENSOR_CORE = 0, 1, 2  # KiviAttentionImpl
@@ -102,16 +106,15 @@ class KiviLibrary:
 
 
 def library_candidates() -> list[Path]:
-    """Where load_library looks: $TRTLLM_KIVI_KERNELS_LIB, then build/plugins/ of the source tree."""
-    env = os.environ.get(LIB_ENV)
-    return ([Path(env)] if env else []) + [DEFAULT_BUILD_DIR / LIB_NAME]
+    """Where load_library looks (op.library_candidates): $TRTLLM_KIVI_KERNELS_LIB, then build/plugins/."""
+    return _candidates(LIB_NAME, LIB_ENV)
 
 
 def find_library() -> Path | None:
-    for path in library_candidates():
-        if path.is_file():
-            return path
-    return None
+    try:
+        return _find(LIB_NAME, LIB_ENV)
+    except FileNotFoundError:
+        return None
 
 
 _LOADED: dict[Path, KiviLibrary] = {}

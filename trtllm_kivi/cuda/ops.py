@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from ..format import SUPPORTED_KEY_GROUPINGS, KiviConfig
+from ..format import SUPPORTED_KEY_GROUPINGS, KiviConfig, dtype_code
 from ..reference.attention import KiviBuffers
 from . import _abi
 from ._abi import KiviLibrary, KiviStepParams
 
-_ACT_CODES = {torch.float16: 0, torch.bfloat16: 1}
-_SCALE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
+_ACT_CODES = {torch.float16: dtype_code("float16"), torch.bfloat16: dtype_code("bfloat16")}
 
 
 def make_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None,
@@ -30,9 +29,9 @@ def make_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     p.numHeads, p.numKvHeads, p.headDim = h, hkv, d
     p.kBits, p.vBits, p.groupSize = cfg.k_bits, cfg.v_bits, cfg.group_size
     p.residualLength, p.blockSize = cfg.residual_length, cfg.block_size
-    p.scaleDtype = _SCALE_CODES[cfg.scale_dtype]
+    p.scaleDtype = dtype_code(cfg.scale_dtype)
     p.keyGrouping = SUPPORTED_KEY_GROUPINGS.index(cfg.key_grouping)
-    p.actDtype = _ACT_CODES.get(q.dtype, 2 if q.dtype == torch.float32 else -1)
+    p.actDtype = _ACT_CODES.get(q.dtype, dtype_code("float32") if q.dtype == torch.float32 else -1)
     p.batch, p.numTokens = slot_ids.shape[0], tokens
     p.maxChunkLen, p.maxSeqLen = max_chunk_len, max_seq_len
     p.numBlocks, p.numSlots, p.maxBlocksPerSeq = num_blocks, buffers.k_window.shape[0], block_table.shape[1]

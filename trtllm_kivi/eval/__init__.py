@@ -8,7 +8,7 @@ Public API:
     scoring.score_sequence(runner, tokens, prefix, plan) prefill + chunked decode-mode logits of one sequence.
     quality.evaluate_quality(model, runners, kivi, ids, QualitySetup, reference)  PPL, KL, top-1, error growth.
     passkey.build_prompt / run_passkey; suite.passkey_sweep(runners, prompts, reference)
-    suite.make_runner(model, KVSpec, max_slots, max_seq_len, memo=True)  TorchRunner (+ MemoKiviCache).
-    memo_cache.MemoKiviCache                    KiviCache with memoized dequantized history (bit-identical, faster).
+    suite.make_runner(model, KVSpec, max_slots, max_seq_len, backend)  TorchRunner over a fresh cache.
+    memo_cache.MemoKiviCache                    moved: KiviCache(..., backend="memo") (re-export for one release).
     report.quality_table / passkey_table / plot_error_growth. (Tiny test checkpoints: trtllm_kivi.models.tiny.)
 """

@@ -85,22 +85,19 @@ def _unit(kind: str, name: str, *parts) -> str:
 def score_segments(model: LlamaModel, specs: dict[str, KVSpec], token_ids: Sequence[int], setup: QualitySetup,
                    cache: ResultCache, reference: str = "fp16", memo: bool = True,
                    log: Callable[[str], None] = print, compute: bool = True) -> dict[str, list[dict]]:
-    """Per-segment results {name: [row per segment]} (row: nll, kl, top1, tokens), computing only what `cache`
-    lacks (nothing with compute=False: then every configuration must be cached for every segment). The reference
-    reruns with any segment that has missing configurations (KL needs its logits)."""
+    """Per-segment results {name: [row or None per segment]} (row: segment, nll, kl, top1, tokens), computing only
+    what `cache` lacks (nothing with compute=False: missing units stay None). The reference reruns with any segment
+    that has missing configurations (KL needs its logits)."""
     kivi = {n: s.kivi for n, s in specs.items()}
     runners: dict = {}
     for i in range(setup.segments):
         missing = [n for n in specs if cache.get(_unit("seg", n, i)) is None]
-        if not missing:
+        if not missing or not compute:
             continue
-        if not compute:
-            raise ValueError(f"segment {i} of {', '.join(missing)} is not in {cache.path}; run without --cached-only "
-                             f"or with fewer --segments")
         names = [reference] + [n for n in missing if n != reference]
         for n in names:
             if n not in runners:
-                runners[n] = make_runner(model, specs[n], 1, setup.segment_len, memo)
+                runners[n] = make_runner(model, specs[n], 1, setup.segment_len, "memo" if memo else "reference")
         one = QualitySetup(1, setup.segment_len, setup.prefix, setup.max_chunk, setup.offset + i * setup.segment_len, 1)
         start = time.time()
         res = evaluate_quality(model, {n: runners[n] for n in names}, kivi, token_ids, one, reference,
@@ -134,7 +131,7 @@ def passkey_cells(model: LlamaModel, specs: dict[str, KVSpec], prompts: dict[tup
                 if cache.get(key) is None and not compute:
                     continue
                 if cache.get(key) is None:
-                    runner = runner or make_runner(model, specs[name], 1, longest, memo)
+                    runner = runner or make_runner(model, specs[name], 1, longest, "memo" if memo else "reference")
                     r = run_passkey(runner, prompts[(n, d)])
                     cache.put(key, {"kind": "pk", "kv": name, "length": n, "depth": d} | r.to_dict())
                     log(f"passkey {name} length {n} depth {d}: {'pass' if r.passed else 'fail'}")
@@ -162,15 +159,17 @@ def passkey_cells(model: LlamaModel, specs: dict[str, KVSpec], prompts: dict[tup
 def recipe_table(specs: dict[str, KVSpec], segs: dict[str, list[dict]], geom: Geometry, reference: str,
                  setup: QualitySetup, passkey: dict | None = None, resamples: int = 2000) -> dict:
     """quality_recipes.json: one entry per configuration keyed by its --kv string (see the module doc)."""
-    n = setup.segments
-    ref_nll = [r["nll"] for r in segs[reference]]
-
     def ppl(rows: list[float], idx: list[int]) -> float:
         return math.exp(sum(rows[i] for i in idx) / len(idx))
 
     entries = {}
     for name, spec in specs.items():
-        rows = segs[name]
+        both = [i for i, (r, f) in enumerate(zip(segs[name], segs[reference])) if r is not None and f is not None]
+        if not both:
+            continue
+        rows = [segs[name][i] for i in both]  # paired with the reference on the same segments
+        ref_nll = [segs[reference][i]["nll"] for i in both]
+        n = len(both)
         nll = [r["nll"] for r in rows]
         kl = [r["kl"] for r in rows]
         every = list(range(n))
@@ -182,15 +181,17 @@ def recipe_table(specs: dict[str, KVSpec], segs: dict[str, list[dict]], geom: Ge
              "residual_length": c.residual_length if c else None,
              "ppl": ppl(nll, every),
              "ppl_delta_pct": 100 * (ppl(nll, every) / ppl(ref_nll, every) - 1),
-             "ppl_delta_ci95": bootstrap_ci(lambda idx: 100 * (ppl(nll, idx) / ppl(ref_nll, idx) - 1), n, resamples),
+             "ppl_delta_ci95": bootstrap_ci(lambda idx: 100 * (ppl(nll, idx) / ppl(ref_nll, idx) - 1), n, resamples)
+             if n > 1 else None,
              "kl_mean": sum(kl) / n,
-             "kl_ci95": bootstrap_ci(lambda idx: sum(kl[i] for i in idx) / n, n, resamples),
+             "kl_ci95": bootstrap_ci(lambda idx: sum(kl[i] for i in idx) / n, n, resamples) if n > 1 else None,
              "top1": sum(r["top1"] for r in rows) / n,
              "bits_per_element": {str(t): round(bits_per_element(c, geom, t), 4) for t in CONTEXTS},
              "passkey_pass_rate": (passkey or {}).get("summary", {}).get(name, {}).get("pass_rate"),
-             "segment_nll": nll, "segment_kl": kl}
+             "segments": n, "segment_ids": both, "segment_nll": nll, "segment_kl": kl}
         entries[name] = e
-    return {"reference": reference, "segments": n, "segment_len": setup.segment_len, "prefix": setup.prefix,
+    return {"reference": reference, "segments": max(e["segments"] for e in entries.values()),
+            "segment_len": setup.segment_len, "prefix": setup.prefix,
             "offset": setup.offset, "bootstrap_resamples": resamples, "configs": entries,
             "passkey": {k: v for k, v in (passkey or {}).items() if k != "results"} if passkey else None,
             "setup": asdict(setup)}
@@ -204,17 +205,18 @@ def recipe_markdown(table: dict, title: str = "") -> str:
     """Markdown table of recipe_table's result."""
     ref = table["reference"]
     lines = [title, ""] if title else []
-    lines += [f"| KV recipe | K/V bits | rotation K/V | sinks | bits/elem @2K | @8K | @32K | PPL | ΔPPL vs {ref} "
-              f"[95% CI] | KL({ref} ‖ cfg) [95% CI] | top-1 | passkey |",
-              "|---|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|"]
+    lines += [f"| KV recipe | segments | K/V bits | rotation K/V | sinks | bits/elem @2K | @8K | @32K | PPL | "
+              f"ΔPPL vs {ref} [95% CI] | KL({ref} ‖ cfg) [95% CI] | top-1 | passkey |",
+              "|---|---:|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|"]
     for name, e in table["configs"].items():
         rot = "/".join(x if isinstance(x, str) else f"per-layer ({sum(y == 'hadamard' for y in x)}/{len(x)})"
                        for x in (e["rotation"]["k"], e["rotation"]["v"]))
         b = e["bits_per_element"]
         pk = "—" if e["passkey_pass_rate"] is None else f"{e['passkey_pass_rate']:.2f}"
         ci, kci = e["ppl_delta_ci95"], e["kl_ci95"]
-        lines.append(f"| {name} | {e['k_bits']}/{e['v_bits']} | {rot} | {e['sink_tokens']} | {b['2048']:.2f} | "
-                     f"{b['8192']:.2f} | {b['32768']:.2f} | {e['ppl']:.3f} | {e['ppl_delta_pct']:+.2f}% "
-                     f"[{ci[0]:+.2f}, {ci[1]:+.2f}] | {e['kl_mean']:.4f} [{kci[0]:.4f}, {kci[1]:.4f}] | "
-                     f"{e['top1']:.3f} | {pk} |")
+        cis = f"[{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "(1 segment: no CI)"
+        kcis = f"[{kci[0]:.4f}, {kci[1]:.4f}]" if kci else ""
+        lines.append(f"| {name} | {e['segments']} | {e['k_bits']}/{e['v_bits']} | {rot} | {e['sink_tokens']} | "
+                     f"{b['2048']:.2f} | {b['8192']:.2f} | {b['32768']:.2f} | {e['ppl']:.3f} | "
+                     f"{e['ppl_delta_pct']:+.2f}% {cis} | {e['kl_mean']:.4f} {kcis} | {e['top1']:.3f} | {pk} |")
     return "\n".join(lines) + "\n"

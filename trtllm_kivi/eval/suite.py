@@ -5,22 +5,18 @@ from __future__ import annotations
 import random
 from typing import Callable, Sequence
 
-from ..cache import KiviCache
 from ..models.llama import LlamaModel
 from ..runtime.base import Runner
 from ..runtime.kvspec import KVSpec
 from ..runtime.torch_runner import TorchRunner
-from .memo_cache import MemoKiviCache
 from .passkey import PasskeyPrompt, PasskeyResult, build_prompt, make_key, run_passkey, summarize
 
 
-def make_runner(model: LlamaModel, spec: KVSpec, max_slots: int, max_seq_len: int, memo: bool = True) -> Runner:
-    """TorchRunner over a fresh cache of `spec`; with memo a KIVI cache keeps its dequantized history between
-    steps (MemoKiviCache: bit-identical results, much faster on the CPU)."""
-    runner = TorchRunner.create(model, spec, max_slots, max_seq_len)
-    if memo and isinstance(runner.cache, KiviCache):
-        runner = TorchRunner(model, MemoKiviCache.like(runner.cache))
-    return runner
+def make_runner(model: LlamaModel, spec: KVSpec, max_slots: int, max_seq_len: int,
+                backend: str | None = None) -> Runner:
+    """TorchRunner over a fresh cache of `spec` with the given KIVI attention backend (None: the fastest; every
+    backend's results equal the reference's within its stated tolerance, memo's bit for bit)."""
+    return TorchRunner.create(model, spec, max_slots, max_seq_len, backend=backend)
 
 
 def passkey_prompts(encode: Callable[[str], list[int]], lengths: Sequence[int], depths: Sequence[float],

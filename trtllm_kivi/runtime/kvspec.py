@@ -10,32 +10,32 @@ Recipes compose a KIVI base with options joined by `+` (no commas, no spaces; or
        sink<S>        the first S tokens stay in full precision (0 <= S <= 128)          kivi2+sink4
        had            Hadamard rotation of K and V in every layer                        kivi2+had
        had:k | had:v | had:kv   rotate only K, only V, or both                           k4v2+had:k
-       had:k@<layers> per-layer choice: layers as a dot-separated list of indices or      kivi2+had:k@1-29+had:v@0-29
-                      ranges a-b (inclusive); the model's num_layers must match
+       had:k@<layers>[/N] per-layer choice: layers as a dot-separated list of indices or  kivi2+had:k@1-29/30
+                      ranges a-b (inclusive), /N the model's num_layers (written by --recommend)
        g<G>           group size G (32, 64, 128)                                         kivi2+g64
        r<R>           residual length R (full-precision window minimum)                  kivi2+r64
 e.g. `kivi2+sink4+had`. Rotation is model-dependent (it can make 2-bit KIVI 5x worse on another model family):
 measure it with `trtllm-kivi eval --recommend`, which writes a --kv-config file that build/run/eval/triton accept.
-Knobs (--k-bits --v-bits --group-size --residual-length --block-size --scale-dtype) override the name's KIVI
-settings; they do not apply to unquantized caches and are ignored there.
+Knobs (KV_OPTIONS: k_bits, v_bits, group_size, residual_length, block_size, scale_dtype) override the name's KIVI
+settings; they do not apply to unquantized caches and are ignored there. The CLI flags are in commands/flags.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
-from ..cache import FullCache, KiviCache
-from ..format import (DEFAULT_GROUP_SIZE, DEFAULT_RESIDUAL_LENGTH, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES,
-                      SUPPORTED_SCALE_DTYPES, Geometry, KiviConfig)
+from ..cache import FullCache, KiviCache, KVCache
+from ..format import DEFAULT_GROUP_SIZE, DEFAULT_RESIDUAL_LENGTH, SUPPORTED_BITS, Geometry, KiviConfig
 
 FULL_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# KiviConfig fields a --kv spec's knobs may override (the CLI flags --k-bits ... --scale-dtype)
+KV_OPTIONS = ("k_bits", "v_bits", "group_size", "residual_length", "block_size", "scale_dtype")
 KV_HELP = ("KV cache: fp16|bf16|fp32 (unquantized), kivi2|kivi4|kivi8, k<bits>v<bits> (e.g. k4v2), "
            "naive2|naive4|naive8 (keys per token: the paper's control); recipes add +options: sink<S> (first S "
            "tokens in full precision), had | had:k | had:v (Hadamard rotation of K and/or V; had:k@0-3.7 = only in "
@@ -50,16 +50,24 @@ class KVSpec:
     kivi: KiviConfig | None = None
     full_dtype: torch.dtype | None = None
 
+    @classmethod
+    def of(cls, cfg: KiviConfig) -> KVSpec:
+        """The spec of a KiviConfig (e.g. a build folder's), named as --kv would name its bits and grouping."""
+        return cls(recipe_name(cfg), kivi=cfg)
+
     @property
     def quantized(self) -> bool:
         return self.kivi is not None
 
     def make_cache(self, geom: Geometry, max_slots: int, max_seq_len: int, act_dtype: torch.dtype,
-                   device: str | torch.device = "cpu", num_blocks: int | None = None) -> KiviCache | FullCache:
-        """A fresh cache; the KIVI window holds activations, so it uses the model's dtype (act_dtype)."""
+                   device: str | torch.device = "cpu", num_blocks: int | None = None,
+                   backend: str | None = None) -> KVCache:
+        """A fresh cache; the KIVI window holds activations, so it uses the model's dtype (act_dtype). backend: the
+        KIVI attention backend (cache.BACKENDS; None = the fastest available)."""
         if self.kivi is None:
+            assert self.full_dtype is not None
             return FullCache(geom, max_slots, max_seq_len, self.full_dtype, device)
-        return KiviCache(self.kivi, geom, max_slots, max_seq_len, act_dtype, device, num_blocks)
+        return KiviCache(self.kivi, geom, max_slots, max_seq_len, act_dtype, device, num_blocks, backend)
 
     def describe(self) -> str:
         if self.kivi is None:
@@ -140,8 +148,12 @@ def parse_kv(spec: str, k_bits: int | None = None, v_bits: int | None = None, gr
                 raise ValueError(f"--kv {spec!r}: {m.group(1)}<n> is given twice")
             seen.add(field)
             base_cfg[field] = int(m.group(2))
-        elif m := re.fullmatch(r"had(?::(k|v|kv))?(?:@([\d.-]+))?", opt):
+        elif m := re.fullmatch(r"had(?::(k|v|kv))?(?:@([\d.-]+)(?:/(\d+))?)?", opt):
             layers = _layers(m.group(2), spec) if m.group(2) else None
+            if m.group(3):
+                if num_layers is not None and int(m.group(3)) != num_layers:
+                    raise ValueError(f"--kv {spec!r} names {m.group(3)} layers but the model has {num_layers}")
+                num_layers = int(m.group(3))
             for which in m.group(1) or "kv":
                 everywhere, chosen = rot[which]
                 rot[which] = (everywhere or layers is None, chosen | set(layers or ()))
@@ -164,9 +176,7 @@ def recipe_name(cfg: KiviConfig | None, full: str = "fp16") -> str:
     if cfg is None:
         return full
     if cfg.key_grouping == "per_token":
-        if cfg.k_bits != cfg.v_bits:
-            raise ValueError(f"per-token keys with k_bits={cfg.k_bits} != v_bits={cfg.v_bits} have no --kv name")
-        name = f"naive{cfg.k_bits}"
+        name = f"naive{cfg.k_bits}" if cfg.k_bits == cfg.v_bits else f"naive-k{cfg.k_bits}v{cfg.v_bits}"
     else:
         name = f"kivi{cfg.k_bits}" if cfg.k_bits == cfg.v_bits else f"k{cfg.k_bits}v{cfg.v_bits}"
     if cfg.sink_tokens:
@@ -179,39 +189,13 @@ def recipe_name(cfg: KiviConfig | None, full: str = "fp16") -> str:
             if r == "hadamard":
                 name += f"+had:{which}"
             elif isinstance(r, tuple):
-                name += f"+had:{which}@" + _layer_text([i for i, x in enumerate(r) if x == "hadamard"])
+                name += (f"+had:{which}@" + _layer_text([i for i, x in enumerate(r) if x == "hadamard"])
+                         + f"/{len(r)}")
     if cfg.group_size != DEFAULT_GROUP_SIZE:
         name += f"+g{cfg.group_size}"
     if cfg.residual_length != DEFAULT_RESIDUAL_LENGTH:
         name += f"+r{cfg.residual_length}"
     return name
-
-
-KV_KNOBS = ("k_bits", "v_bits", "group_size", "residual_length", "block_size", "scale_dtype")
-KV_CONFIG_KIND = "trtllm-kivi kv config"
-
-
-class _ExplicitKv(argparse.Action):
-    """--kv that remembers it was given (so --kv-config can refuse a conflicting one)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        setattr(namespace, "kv_explicit", True)
-
-
-def add_kv_arguments(parser: argparse.ArgumentParser, default: str = "kivi2") -> None:
-    """--kv, --kv-config and the KiviConfig knobs, for every command that builds a cache."""
-    g = parser.add_argument_group("KV cache")
-    g.add_argument("--kv", default=default, action=_ExplicitKv, help=f"{KV_HELP} (default: {default})")
-    g.add_argument("--kv-config", metavar="FILE", help="KV config file (JSON) written by `trtllm-kivi eval "
-                   "--recommend`: its recipe replaces --kv; a --kv or knob that disagrees with it is refused")
-    g.add_argument("--k-bits", type=int, choices=SUPPORTED_BITS, help="override the key bits of a KIVI spec")
-    g.add_argument("--v-bits", type=int, choices=SUPPORTED_BITS, help="override the value bits of a KIVI spec")
-    g.add_argument("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, help="KIVI group size G (default 32)")
-    g.add_argument("--residual-length", type=int, help="KIVI full-precision window minimum R (default 128)")
-    g.add_argument("--block-size", type=int, help="tokens per quantized cache block (default 128)")
-    g.add_argument("--scale-dtype", choices=SUPPORTED_SCALE_DTYPES, help="dtype of KIVI scales/zeros "
-                   "(default float16)")
 
 
 def write_kv_config(path: str | Path, spec: KVSpec, extra: dict | None = None) -> Path:
@@ -238,37 +222,7 @@ def read_kv_config(path: str | Path) -> KVSpec:
     return KVSpec(str(doc["kv"]), kivi=KiviConfig.from_dict(doc["kivi"]))
 
 
-def apply_kv_config(args: argparse.Namespace) -> KVSpec | None:
-    """With --kv-config: refuse a --kv or knob that disagrees with the file (naming both values), then set args.kv
-    and the knobs to the file's values (so commands that pass args.kv on, e.g. triton, see the recipe)."""
-    path = getattr(args, "kv_config", None)
-    if not path:
-        return None
-    spec = read_kv_config(path)
-    if getattr(args, "kv_explicit", False) and args.kv.strip().lower() != spec.name:
-        raise ValueError(f"--kv {args.kv} conflicts with --kv-config {path} (kv {spec.name}); give one of them")
-    cfg = spec.kivi.to_dict()
-    for knob in KV_KNOBS:
-        given = getattr(args, knob, None)
-        if given is not None and given != cfg[knob]:
-            raise ValueError(f"--{knob.replace('_', '-')} {given} conflicts with --kv-config {path} "
-                             f"({knob}={cfg[knob]}); give one of them")
-    args.kv, args.kv_explicit = spec.name, True
-    for knob in KV_KNOBS:
-        setattr(args, knob, cfg[knob])
-    return spec
+KV_CONFIG_KIND = "trtllm-kivi kv config"
 
-
-def kv_from_args(args: argparse.Namespace, spec: str | None = None) -> KVSpec:
-    """The KVSpec of parsed add_kv_arguments() options (spec overrides args.kv, e.g. for a list of specs). A
-    --kv-config file is applied first (apply_kv_config); its own recipe comes back with its exact config
-    (including a per-layer rotation)."""
-    from_file = apply_kv_config(args)
-    if from_file is not None and (spec is None or spec.strip().lower() == from_file.name):
-        return from_file
-    return parse_kv(spec if spec is not None else args.kv, args.k_bits, args.v_bits, args.group_size,
-                    args.residual_length, args.block_size, args.scale_dtype)
-
-
-__all__ = ["KVSpec", "parse_kv", "recipe_name", "add_kv_arguments", "kv_from_args", "apply_kv_config",
-           "read_kv_config", "write_kv_config", "FULL_DTYPES", "KV_HELP"]
+__all__ = ["KVSpec", "parse_kv", "recipe_name", "read_kv_config", "write_kv_config", "FULL_DTYPES", "KV_HELP",
+           "KV_OPTIONS", "KV_CONFIG_KIND"]

@@ -36,7 +36,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .base import Runner
-from .generate import SamplingParams, sample
+from .detokenize import Detokenizer
+from .sampling import SamplingParams, sample
 
 # on_update(request, new_token_ids, new_text): called after every step that changed the request (new token, or
 # finished); new_text is "" without a tokenizer. Raising from it cancels that request only.
@@ -56,7 +57,6 @@ class Request:
     params: SamplingParams
     on_update: UpdateCallback | None = None
     tokens: list[int] = field(default_factory=list)  # generated ids (without a final stop token)
-    text: str = ""  # decoded tokens (cut before a stop string); "" without a tokenizer
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     error: str | None = None
     slot: int | None = None
@@ -65,7 +65,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
-    _emitted: int = 0  # characters of text already streamed
+    _detok: Detokenizer = field(default_factory=lambda: Detokenizer(None))
     _cancel: bool = False
     _generator: torch.Generator | None = None
     _events: queue.Queue = field(default_factory=queue.Queue)  # token ids, then None when finished
@@ -75,6 +75,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self._done.is_set()
+
+    @property
+    def text(self) -> str:
+        """The decoded tokens, cut before a stop string ("" without a tokenizer)."""
+        return self._detok.text
 
     def cancel(self) -> None:
         """Stop this request at the next step (finish_reason "cancelled"); its slot is freed there."""
@@ -122,8 +127,7 @@ class Scheduler:
             raise ValueError(f"max_batch_tokens={max_batch_tokens} must be >= 1")
         self.runner, self.tokenizer = runner, tokenizer
         # a graph runner is built for at most max_num_tokens tokens per step: a hard limit on the budget
-        limit = getattr(runner, "max_num_tokens", None) or getattr(getattr(runner, "spec", None), "max_num_tokens",
-                                                                   None)
+        limit = runner.max_num_tokens
         self.hard_limit = limit is not None
         self.max_batch_tokens = min(max_batch_tokens, limit) if limit else max_batch_tokens
         self.prefill_chunk = min(prefill_chunk, self.max_batch_tokens)
@@ -174,7 +178,7 @@ class Scheduler:
         gen.manual_seed(params.seed) if params.seed is not None else gen.seed()
         req = Request(id=request_id if request_id is not None else str(next(self._ids)), prompt=prompt,
                       params=params, on_update=on_update, arrival_time=time.perf_counter(), _generator=gen,
-                      _scheduler=self)
+                      _detok=Detokenizer(self.tokenizer, params.stop_strings), _scheduler=self)
         with self._cv:
             if self._stopping:
                 raise RequestRejected("the scheduler is stopped; no new requests")
@@ -205,6 +209,9 @@ class Scheduler:
 
     def run_until_idle(self) -> None:
         while self.has_work():
+            if not self._running and self.runner.free_slots == 0:  # nothing can ever be admitted: never spin
+                raise RuntimeError(f"{self.num_waiting} requests wait but the runner has no free slot and none is "
+                                   f"running (slots held outside this scheduler)")
             self.step()
 
     # ------------------------------------------------------------------------------------------- one step
@@ -283,11 +290,9 @@ class Scheduler:
                 r.first_token_time = now
             new = [tok]
             r._events.put(tok)
-        if self.tokenizer is not None:
-            r.text = self.tokenizer.decode(r.tokens)
-            hits = [r.text.find(s) for s in p.stop_strings if s in r.text]
-            if hits:
-                r.text, reason = r.text[:min(hits)], "stop"
+            r._detok.push(tok)
+            if r._detok.stopped:
+                reason = "stop"
         if reason is None and len(r.tokens) >= p.max_new_tokens:
             reason = "length"
         if reason is not None:
@@ -296,27 +301,10 @@ class Scheduler:
         self._notify(r, new)
         return False
 
-    def _stable_text(self, r: Request) -> str:
-        """The text that can be streamed now: without an incomplete multi-byte character, and while unfinished,
-        without a tail that could still grow into a stop string (it would be cut then)."""
-        text = r.text
-        if r.finished:
-            return text
-        text = text.rstrip("\ufffd")
-        hold = 0
-        for s in r.params.stop_strings:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        return text[:len(text) - hold]
-
     def _notify(self, r: Request, new: list[int]) -> None:
         if r.on_update is None:
             return
-        stable = self._stable_text(r)
-        delta = stable[r._emitted:] if len(stable) > r._emitted else ""
-        r._emitted = max(r._emitted, len(stable))
+        delta = r._detok.delta(final=r.finished)
         if not new and not delta and not r.finished:
             return
         try:

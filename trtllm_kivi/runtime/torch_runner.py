@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from ..cache import FullCache, KiviCache
+from ..cache import KiviCache, KVCache
 from ..models.llama import LlamaModel
 from .base import CacheRunner
 
@@ -17,7 +17,7 @@ from .base import CacheRunner
 class TorchRunner(CacheRunner):
     name = "torch"
 
-    def __init__(self, model: LlamaModel, cache: KiviCache | FullCache) -> None:
+    def __init__(self, model: LlamaModel, cache: KVCache) -> None:
         if cache.geom != model.cfg.geometry:
             raise ValueError(f"cache geometry {cache.geom} does not match the model's {model.cfg.geometry}")
         if isinstance(cache, KiviCache) and cache.dtype != model.dtype:  # the op needs q/k/v in the window dtype
@@ -30,14 +30,14 @@ class TorchRunner(CacheRunner):
 
     @classmethod
     def create(cls, model: LlamaModel, kv, max_slots: int, max_seq_len: int, **cache_kwargs) -> "TorchRunner":
-        """Runner with a fresh cache from a KV spec (runtime.kvspec.KVSpec or a string such as "kivi2")."""
+        """Runner with a fresh cache from a KV spec (runtime.kvspec.KVSpec or a string such as "kivi2");
+        cache_kwargs go to KVSpec.make_cache (num_blocks, backend)."""
         from .kvspec import parse_kv
 
         spec = parse_kv(kv) if isinstance(kv, str) else kv
         cache = spec.make_cache(model.cfg.geometry, max_slots, max_seq_len, model.dtype, model.device,
                                 **cache_kwargs)
         return cls(model, cache)
-
 
     def step(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], all_logits: bool = False) -> torch.Tensor:
         self.check_tokens(slots, tokens)

@@ -9,19 +9,17 @@ execute_async_v3); not run on any machine of this project (no TensorRT here): th
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from ..builder.onnx_export import ExportSpec, cache_io_names
 from ..cache import KiviCache
-from ..format import FORMAT_VERSION, Geometry, KiviConfig
+from ..op import LOGITS, cache_io_names
 from ..reference.attention import KiviBuffers
+from ..reference.quant import torch_dtype
 from .base import CacheRunner
-
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+from .build_folder import BuildFolder
 
 
 class TrtRunner(CacheRunner):
@@ -29,24 +27,19 @@ class TrtRunner(CacheRunner):
 
     name = "tensorrt"
 
-    def __init__(self, build_dir: str | Path, device: str = "cuda", plugin_lib: str | None = None) -> None:
+    def __init__(self, build: str | Path | BuildFolder, device: str = "cuda", plugin_lib: str | None = None) -> None:
         import tensorrt as trt
 
-        build_dir = Path(build_dir)
-        conf = json.loads((build_dir / "build_config.json").read_text())
-        if conf["format_version"] != FORMAT_VERSION:
-            raise ValueError(f"{build_dir}: engine format_version={conf['format_version']} does not match this "
-                             f"package's FORMAT_VERSION={FORMAT_VERSION}; rebuild it")
-        if not conf["files"].get("engine"):
-            raise ValueError(f"{build_dir} has no engine (built without TensorRT): {conf['engine'].get('reason')}")
+        folder = build if isinstance(build, BuildFolder) else BuildFolder.open(build)
+        if folder.engine_path is None:
+            raise ValueError(f"{folder.path} has no engine (built without TensorRT): "
+                             f"{folder.config['engine'].get('reason')}")
         if not torch.cuda.is_available():
             raise ValueError("the TensorRT runner needs a CUDA GPU; torch.cuda.is_available() is False")
-        self.cfg = KiviConfig.from_dict(conf["kivi_config"])
-        self.geom = Geometry(**conf["geometry"])
-        m = conf["maxima"]
-        self.spec = ExportSpec(conf["dtype"], m["max_batch_size"], m["max_seq_len"], m["max_num_tokens"])
-        self.vocab_size = conf["model"]["config"]["vocab_size"]
-        self.max_slots, self.max_seq_len = self.spec.max_batch_size, self.spec.max_seq_len
+        self.info = info = folder.info
+        self.vocab_size = info.vocab_size
+        self.max_slots, self.max_seq_len = info.spec.max_batch_size, info.spec.max_seq_len
+        self.max_num_tokens = info.spec.max_num_tokens
         self.device = torch.device(device)
 
         self._logger = trt.Logger(trt.Logger.WARNING)
@@ -54,18 +47,18 @@ class TrtRunner(CacheRunner):
         self._runtime.engine_host_code_allowed = True  # the plugin library is embedded in the engine
         if plugin_lib:  # a library given explicitly (e.g. an engine built without embedding) is registered too
             self._runtime.get_plugin_registry().load_library(str(plugin_lib))
-        self.engine = self._runtime.deserialize_cuda_engine((build_dir / conf["files"]["engine"]).read_bytes())
+        self.engine = self._runtime.deserialize_cuda_engine(folder.engine_path.read_bytes())
         if self.engine is None:
-            raise RuntimeError(f"TensorRT could not deserialize {build_dir / conf['files']['engine']} (see the log "
+            raise RuntimeError(f"TensorRT could not deserialize {folder.engine_path} (see the log "
                                f"above; a TensorRT older than the builder's, or a missing KiviAttention plugin)")
         self.context = self.engine.create_execution_context()
         self.stream = torch.cuda.Stream(self.device)
 
-        self.cache = KiviCache(self.cfg, self.geom, self.max_slots, self.max_seq_len, dtype=_DTYPES[conf["dtype"]],
-                               device=self.device, num_blocks=m["num_blocks"])
+        self.cache = KiviCache(info.kivi, info.geometry, self.max_slots, self.max_seq_len,
+                               dtype=torch_dtype(info.spec.dtype), device=self.device, num_blocks=info.num_blocks)
         # Aliased outputs share their input's buffer; others get a second buffer set (ping-pong).
         get_alias = getattr(self.engine, "get_aliased_input_tensor", lambda name: None)
-        self._aliased = all(get_alias(pr) == pa for layer in range(self.geom.num_layers)
+        self._aliased = all(get_alias(pr) == pa for layer in range(info.geometry.num_layers)
                             for pa, pr in zip(*cache_io_names(layer)))
         self._spare = None if self._aliased else [
             KiviBuffers(*(torch.empty_like(t) for t in bufs)) for bufs in self.cache.layers]
@@ -81,8 +74,12 @@ class TrtRunner(CacheRunner):
             raise ValueError(f"input {name} shape {tuple(t.shape)} is outside the engine's optimization profile")
         self.context.set_tensor_address(name, t.data_ptr())
 
+    @property
+    def attention_backend(self) -> str:
+        return "TensorRT engine (KiviAttention plugin)"
+
     def step(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], all_logits: bool = False) -> torch.Tensor:
-        self.check_tokens(slots, tokens, self.spec.max_num_tokens)
+        self.check_tokens(slots, tokens)
         chunk = [len(t) for t in tokens]
         st = self.cache.begin_step(list(slots), chunk)
         i32 = dict(dtype=torch.int32, device=self.device)
@@ -101,7 +98,7 @@ class TrtRunner(CacheRunner):
                 self._bind(pa, t, input_shape=True)
                 self._bind(pr, o)
         logits = torch.empty((len(rows), self.vocab_size), dtype=torch.float32, device=self.device)
-        self._bind("logits", logits)
+        self._bind(LOGITS, logits)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # inputs were made on the current stream
         if not self.context.execute_async_v3(self.stream.cuda_stream):
             raise RuntimeError("TensorRT execute_async_v3 failed (see the log above)")

@@ -33,6 +33,7 @@ class ServingConfig:
     max_batch_tokens: int = 512
     default_max_tokens: int = 64
     num_threads: int | None = None  # torch CPU threads in the serving process (None: torch's default)
+    attention_backend: str = "auto"  # KIVI attention backend of the torch runner (cache.BACKEND_CHOICES)
     package_root: str = PACKAGE_ROOT  # where `import trtllm_kivi` comes from inside the Triton python backend
 
     def __post_init__(self) -> None:
@@ -76,13 +77,14 @@ def load_runner(cfg: ServingConfig):
     model, tok, mcfg = load_model(cfg.model, cfg.dtype, cfg.device)
     if cfg.max_seq_len > mcfg.max_seq_len:
         raise ValueError(f"max_seq_len={cfg.max_seq_len} exceeds the model's context of {mcfg.max_seq_len} tokens")
-    return TorchRunner.create(model, spec, cfg.max_slots, cfg.max_seq_len), tok
+    return TorchRunner.create(model, spec, cfg.max_slots, cfg.max_seq_len, backend=cfg.attention_backend), tok
 
 
 def _load_engine(cfg: ServingConfig):
     """The builder's factory picks the runner (tensorrt with an engine + GPU, else onnxruntime); the folder's own
     capacity (max batch size, max sequence length) applies, not cfg.max_slots / cfg.max_seq_len."""
-    from ..runtime.select import BuildFolder, load_runner as load_build
+    from ..runtime.build_folder import BuildFolder
+    from ..runtime.select import load_runner as load_build
 
     runner, _why = load_build(cfg.engine, threads=cfg.num_threads)
     return runner, BuildFolder.open(cfg.engine).tokenizer()

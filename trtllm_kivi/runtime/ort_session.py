@@ -1,0 +1,139 @@
+"""The onnxruntime session of an exported graph (runtime.ort_runner drives it; the builder's check uses that runner):
+the KiviAttention node executes the reference op (trtllm_kivi.reference, run in place on copies of the inputs)
+through onnxruntime-extensions' Python custom ops.
+
+onnxruntime-extensions accepts Python ops in the domain ai.onnx.contrib only, with input/output types fixed at
+registration and no 16-bit floats, so `ort_model` makes a copy of the graph for onnxruntime: the KiviAttention nodes
+move to that domain, the activation dtype becomes float32 (onnxruntime's CPU kernels lack most 16-bit float ops and
+so does the Python op API) and exact Casts around each node carry the scale/zero buffers, which keep their format
+dtype as graph inputs/outputs (so the cache contents are the format the engine stores). Nothing else changes.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, numpy_helper
+
+from ..format import BUFFER_NAMES
+from ..op import DOMAIN, FIELD_NAMES, OPSET, PLUGIN_NAME, config_from_fields
+from ..reference.attention import KiviBuffers, kivi_attention_
+
+ORT_DOMAIN = "ai.onnx.contrib"
+_FLOAT16S = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+ORT_SCALE_DTYPES = ("float16", "float32")  # what numpy (hence a runner's feeds) can hold
+_SCALE_BUFFERS = ("k_scale", "k_zero", "v_scale", "v_zero")
+_ONNX_SCALE_DTYPES = {"float16": TensorProto.FLOAT16, "float32": TensorProto.FLOAT}
+
+
+@functools.cache
+def register_ops() -> None:
+    """Register the Python KiviAttention op with onnxruntime-extensions, once per process. Its Python API has no
+    16-bit floats, so the op takes float32 everywhere; ort_model casts the scale/zero buffers around it (exact:
+    the op stores scale-dtype values)."""
+    from onnxruntime_extensions import PyCustomOpDef, onnx_op
+
+    attrs = {n: PyCustomOpDef.dt_int64 for n in FIELD_NAMES}
+    attrs |= {"plugin_version": PyCustomOpDef.dt_string, "plugin_namespace": PyCustomOpDef.dt_string}
+    i32, f32 = PyCustomOpDef.dt_int32, PyCustomOpDef.dt_float
+    bufs = [i32, f32, f32, i32, f32, f32, f32, f32]  # BUFFER_NAMES order
+    onnx_op(op_type=PLUGIN_NAME, inputs=[f32, f32, f32, i32, i32, i32, i32] + bufs, outputs=[f32] + bufs,
+            attrs=attrs)(_kivi_attention_op)
+
+
+def _kivi_attention_op(q, k, v, slot_ids, past_len, chunk_len, block_table, *buffers, **attrs):
+    """The reference op on numpy arrays: returns (out, *updated buffers). The buffers onnxruntime passes are copied
+    once (they are its inputs) and updated with the in-place form. Dtype conversions in numpy and one torch thread:
+    the op's tensors are small, and torch's thread pool contends with onnxruntime's."""
+    cfg, *_ = config_from_fields({n: int(attrs[n]) for n in FIELD_NAMES})
+    sdt = np.float16 if cfg.scale_dtype == "float16" else np.float32
+    t = [torch.from_numpy(np.asarray(a)) for a in (q, k, v, slot_ids, past_len, chunk_len, block_table)]
+    bufs = KiviBuffers(*(torch.from_numpy(np.array(b, dtype=sdt if n in _SCALE_BUFFERS else None))  # copies
+                         for n, b in zip(BUFFER_NAMES, buffers)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = kivi_attention_(*t, bufs, cfg)
+    finally:
+        torch.set_num_threads(threads)
+    return (out.numpy(), *(b.numpy().astype(np.float32) if n in _SCALE_BUFFERS else b.numpy()
+                           for n, b in zip(BUFFER_NAMES, bufs)))
+
+
+def ort_model(m: onnx.ModelProto) -> onnx.ModelProto:
+    """The onnxruntime copy of an exported graph (see the module docstring); `m` is not modified."""
+    m = copy.deepcopy(m)
+    g = m.graph
+    nodes = [n for n in g.node if n.op_type == PLUGIN_NAME and n.domain == DOMAIN]
+    if not nodes:
+        raise ValueError(f"the graph has no {DOMAIN}::{PLUGIN_NAME} node; is it a trtllm-kivi export?")
+    fields = {a.name: a.i for a in nodes[0].attribute if a.name in FIELD_NAMES}
+    cfg, *_ = config_from_fields(fields)
+    if cfg.scale_dtype not in ORT_SCALE_DTYPES:
+        raise ValueError(f"scale_dtype={cfg.scale_dtype!r} cannot run in onnxruntime's Python op; allowed: "
+                         f"{', '.join(ORT_SCALE_DTYPES)}")
+    for n in nodes:
+        n.domain = ORT_DOMAIN
+    # Scale/zero buffers keep their dtype; every other 16-bit float tensor is an activation -> float32.
+    keep = {vi.name for vi in list(g.input) + list(g.output) if vi.name.rsplit(".", 1)[-1] in
+            ("k_scale", "k_zero", "v_scale", "v_zero")}
+    for vi in list(g.input) + list(g.output) + list(g.value_info):
+        if vi.name not in keep and vi.type.tensor_type.elem_type in _FLOAT16S:
+            vi.type.tensor_type.elem_type = TensorProto.FLOAT
+    for i, init in enumerate(g.initializer):
+        if init.data_type in _FLOAT16S:
+            g.initializer[i].CopyFrom(numpy_helper.from_array(_to_float32(init), init.name))
+    for n in g.node:
+        for a in n.attribute:
+            if n.op_type == "Cast" and a.name == "to" and a.i in _FLOAT16S:
+                a.i = TensorProto.FLOAT
+    _cast_scale_buffers(g, _ONNX_SCALE_DTYPES[cfg.scale_dtype])
+    del m.opset_import[:]
+    m.opset_import.extend([onnx.helper.make_opsetid("", OPSET), onnx.helper.make_opsetid(ORT_DOMAIN, 1)])
+    return m
+
+
+def _cast_scale_buffers(g: onnx.GraphProto, sz: int) -> None:
+    """Around every KiviAttention node: Cast its scale/zero inputs to float32 and its outputs back to `sz`."""
+    new = []
+    for n in g.node:
+        if n.op_type != PLUGIN_NAME:
+            new.append(n)
+            continue
+        after = []
+        for j, name in enumerate(BUFFER_NAMES):
+            if name in _SCALE_BUFFERS:
+                i, o = n.input[7 + j], n.output[1 + j]
+                new.append(onnx.helper.make_node("Cast", [i], [i + ".f32"], to=TensorProto.FLOAT))
+                after.append(onnx.helper.make_node("Cast", [o + ".f32"], [o], to=sz))
+                n.input[7 + j], n.output[1 + j] = i + ".f32", o + ".f32"
+        new += [n] + after
+    del g.node[:]
+    g.node.extend(new)
+
+
+def _to_float32(init: TensorProto) -> np.ndarray:
+    if init.data_type == TensorProto.BFLOAT16:  # numpy has no bfloat16: widen the raw bits through torch
+        raw = np.frombuffer(init.raw_data, np.int16).copy()
+        return torch.from_numpy(raw).view(torch.bfloat16).float().numpy().reshape(tuple(init.dims))
+    return numpy_helper.to_array(init).astype(np.float32)
+
+
+def session(m: onnx.ModelProto, threads: int | None = None):
+    """An onnxruntime CPU session for an exported graph (converted with ort_model)."""
+    import onnxruntime as ort
+    from onnxruntime_extensions import get_library_path
+
+    register_ops()
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(get_library_path())
+    if threads:
+        so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle threads sleep: fair on shared CPUs
+    return ort.InferenceSession(ort_model(m).SerializeToString(), so, providers=["CPUExecutionProvider"])
+
