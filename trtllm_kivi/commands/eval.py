@@ -225,10 +225,13 @@ def _run_recommend(args: argparse.Namespace, setup) -> int:
              if getattr(args, k, None) is not None}
     res = recommend(model, ids, setup, cache, budget, levels, args.sinks, args.margin, resamples=args.bootstrap,
                     knobs=knobs, log=log)
+    def ci(e: dict) -> str:
+        c = e["ppl_delta_ci95"]
+        return f"[{c[0]:+.2f}, {c[1]:+.2f}]" if c else "(1 segment: no CI)"
+
     for name, e in res["table"].items():
-        ci = e["ppl_delta_ci95"]
         print(f"  {name:48s} bits/elem@8K {e['bits_per_element']['8192']:.2f}  dPPL {e['ppl_delta_pct']:+.2f}% "
-              f"[{ci[0]:+.2f}, {ci[1]:+.2f}]  KL {e['kl_mean']:.4f}  {res['rejected'].get(name, 'ok')}")
+              f"{ci(e)}  KL {e['kl_mean']:.4f}  {res['rejected'].get(name, 'ok')}")
     if res["chosen"] is None:
         print(f"no recipe of {levels} is within the budget (dPPL <= {pct}%"
               f"{'' if args.max_kl is None else f', KL <= {args.max_kl}'}); nothing written")
@@ -241,7 +244,7 @@ def _run_recommend(args: argparse.Namespace, setup) -> int:
         | {"segments": setup.segments, "segment_len": setup.segment_len, "text": text_info},
         "budget": {"max_ppl_increase_pct": pct, "max_kl": args.max_kl}, "criterion": crit})
     print(f"recommended: {res['chosen']} ({e['bits_per_element']['8192']:.2f} bits/element at 8K; dPPL "
-          f"{e['ppl_delta_pct']:+.2f}% [{e['ppl_delta_ci95'][0]:+.2f}, {e['ppl_delta_ci95'][1]:+.2f}], KL "
+          f"{e['ppl_delta_pct']:+.2f}% {ci(e)}, KL "
           f"{e['kl_mean']:.4f}); wrote {path} (use it with --kv-config {path})")
     return 0
 
