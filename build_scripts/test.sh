@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README; .ci/run calls it): install with test dependencies, compile the CUDA kernels for one
-# arch (the TensorRT plugin is skipped without TensorRT headers), create the Triton serving env, run the test suite.
+# arch (the TensorRT plugin is skipped without TensorRT headers), create the Triton serving env, run ruff and mypy,
+# then the test suite.
 #   bash build_scripts/test.sh [pytest args...]
 # KIVI_CUDA_ARCHS overrides the arch compiled here (default 90; build_plugin.sh alone compiles 80 and 90).
 set -euo pipefail
@@ -9,4 +10,7 @@ bash build_scripts/install.sh --test
 bash build_scripts/build_plugin.sh --arch "${KIVI_CUDA_ARCHS:-90}" --jobs 2
 TRTLLM_KIVI_TRITON_ENV="$(bash build_scripts/setup_triton_env.sh | tail -n 1)"
 export TRTLLM_KIVI_TRITON_ENV
+# lint and types first (pyproject.toml: ruff default + B, UP, SIM; mypy): a finding fails the run
+.venv/bin/ruff check trtllm_kivi
+.venv/bin/mypy trtllm_kivi
 .venv/bin/python -m pytest tests "$@"

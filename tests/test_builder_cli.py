@@ -149,8 +149,9 @@ def test_malformed_options_raise_value_error_from_the_api(ckpt, tmp_path):
         build(BuildOptions(output=tmp_path / "o", model=str(ckpt), dtype="fp8"), progress=False)
     with pytest.raises(ValueError, match=r"model '/nonexistent' is neither a built-in name"):
         build(BuildOptions(output=tmp_path / "o", model="/nonexistent"), progress=False)
-    with pytest.raises(SystemExit):  # argparse: bits outside format.SUPPORTED_BITS
-        cli.main(["build", "--model", str(ckpt), "-o", str(tmp_path / "o"), "--k-bits", "3"])
+    # bits outside format.SUPPORTED_BITS: KiviConfig's one clear line, nothing written
+    assert cli.main(["build", "--model", str(ckpt), "-o", str(tmp_path / "o"), "--k-bits", "3"]) == 2
+    assert not (tmp_path / "o").exists()
 
 
 def test_run_engine_generates_through_onnxruntime(ckpt, built, capsys):
@@ -175,3 +176,24 @@ def test_run_engine_generates_through_onnxruntime(ckpt, built, capsys):
     theirs = generate(ref, [tok.encode("Hello KIVI")], params, tok)[0]
     assert ours.tokens == theirs.tokens and len(ours.tokens) > 0
     assert ours.text in captured.out
+
+
+def test_run_engine_refuses_kv_flags_that_contradict_the_build(built, capsys):
+    """build_config.json is the one source of the folder's KV config: a contradicting flag is an error naming both
+    values (it used to be ignored silently); a flag that agrees is accepted."""
+    assert cli.main(["run", "--engine", str(built), "--prompt", "Hi", "--group-size", "64"]) == 2
+    assert "--group-size 64 contradicts the build folder's group_size=32" in capsys.readouterr().err
+    assert cli.main(["run", "--engine", str(built), "--prompt", "Hi", "--kv", "kivi4"]) == 2
+    assert "--kv kivi4" in capsys.readouterr().err
+    assert cli.main(["run", "--engine", str(built), "--prompt", "Hi", "--residual-length", "32",
+                     "--max-new-tokens", "3", "--quiet"]) == 0
+
+
+def test_run_json_reports_text_and_timings(ckpt, capsys):
+    import json
+
+    assert cli.main(["run", "--model", str(ckpt), "--prompt", "Hello KIVI", "--max-new-tokens", "5", "--json",
+                     "--attention-backend", "reference"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["new_tokens"] == 5 and out["prompt_tokens"] > 0 and len(out["texts"]) == 1
+    assert out["decode_tokens_per_s"] > 0 and out["prefill_tokens_per_s"] > 0 and out["runner"] == "torch"

@@ -47,7 +47,7 @@ def test_one_kivi_attention_node_per_layer_with_plugin_fields(graph, tiny):
         assert _attr(n, "plugin_namespace") == PLUGIN_NAMESPACE.encode()
         assert list(n.input[3:7]) == ["slot_ids", "past_len", "chunk_len", "block_table"]
         assert list(n.input[7:]) == [f"past.{layer}.{b}" for b in BUFFER_NAMES]
-        assert list(n.output[1:]) == [f"present.{layer}.{b}" for b in BUFFER_NAMES]
+        assert list(n.output[1:]) == [f"present.{layer}.{b}" for b in BUFFER_NAMES] + [f"status.{layer}"]
     assert {(o.domain, o.version) for o in graph.opset_import} >= {(DOMAIN, 1)}
 
 
@@ -62,7 +62,10 @@ def test_cache_inputs_outputs_match_the_format(graph, tiny):
             for t in (ins[f"past.{layer}.{b}"], outs[f"present.{layer}.{b}"]):
                 assert t.elem_type == ONNX_DTYPES[dtypes[b]]
                 assert tuple(d.dim_value for d in t.shape.dim) == shapes[b]
-    assert len(ins) == len(STEP_INPUTS) + 8 * mc.n_layers and len(outs) == 1 + 8 * mc.n_layers
+    assert len(ins) == len(STEP_INPUTS) + 8 * mc.n_layers and len(outs) == 1 + 9 * mc.n_layers
+    for layer in range(mc.n_layers):  # the plugin's status output (kernel error bits) of every layer
+        t = outs[f"status.{layer}"]
+        assert t.elem_type == TensorProto.INT32 and tuple(d.dim_value for d in t.shape.dim) == (1,)
 
 
 def test_step_inputs_are_int32_with_dynamic_dims_and_logits_fp32(graph, tiny):

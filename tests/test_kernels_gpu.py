@@ -270,3 +270,32 @@ def test_launcher_rejects_unsupported_values(lib):
     with pytest.raises(ValueError, match="key_grouping=1 is not supported"):
         kivi_attention_cuda_(x, x, x, i, i, i + 1, torch.zeros(1, 2, dtype=torch.int32, device="cuda"), buf, cfg_pt,
                              lib=lib)
+
+
+@pytest.mark.parametrize("max_seq_len", [200, 0], ids=["one_split", "many_splits"])
+def test_rows_no_sequence_covers_are_zero(lib, max_seq_len):
+    """q has more rows than sum(chunk_len) (e.g. a padded step): the rows past the last chunk belong to no sequence
+    and must come back zero, with one split (kiviZeroUncoveredRowsKernel) and with many (kiviCombineKernel). The
+    output starts NaN-filled; the covered rows match the reference. max_seq_len 200 leaves a single split; 0 sizes
+    the splits for the block table's capacity (many for this short step)."""
+    from trtllm_kivi.cuda.ops import make_params, run_step
+    cfg = KiviConfig(residual_length=32)
+    pair = Pair(cfg, 8, 2, 64, torch.float16, batch=2, mbs=8)
+    pair.fill_history([100, 40])
+    chunks, extra = [1, 3], 5
+    t = sum(chunks)
+    q, k, v = pair.randn(t + extra, 8, 64), pair.randn(t + extra, 2, 64), pair.randn(t + extra, 2, 64)
+    past, chunk = torch.tensor(pair.lens).int(), torch.tensor(chunks).int()
+    want = kivi_attention_(q[:t], k[:t], v[:t], pair.slots, past, chunk, pair.table, pair.ref, cfg)
+    out = torch.full((t + extra, 8, 64), float("nan"), dtype=torch.float16, device="cuda")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    dev = [x.cuda() for x in (q, k, v, pair.slots, past, chunk, pair.table)]
+    params = make_params(*dev[:3], out, *dev[3:], pair.gpu, cfg, max_seq_len=max_seq_len, error_flag=flag)
+    plan = lib.launch_plan(params)
+    assert (plan["num_splits"] == 1) == (max_seq_len == 200), plan
+    run_step(lib, params, torch.device("cuda"))
+    torch.cuda.synchronize()
+    assert int(flag.item()) == 0
+    assert torch.all(out[t:].cpu() == 0), "rows past sum(chunk_len) are not zero"
+    assert_attention_close(out[:t], want, pair.v_max, f"covered rows ({plan['num_splits']} splits)")
+    assert_buffers_equal(pair.gpu, pair.ref, "after a padded step")

@@ -160,27 +160,82 @@ def test_launch_plan_matches_the_model_and_bounds_the_work(host_lib):
                 assert flushed <= want.flush_groups_per_seq
 
 
-def test_workspace_of_the_largest_step_serves_every_smaller_one(host_lib):
-    """TensorRT sizes the workspace at the profile max and runs smaller steps in it: kiviWorkspaceSize must not
-    decrease when num_tokens or batch grow, and the split partials actually used (T x H x numSplits) must fit."""
+def _used_bytes(plan: dict, t: int, h: int, d: int) -> int:
+    """Workspace bytes a step's kernels index (kiviLaunch.cu): seq info, then [T, H, numSplits, D] and
+    [T, H, numSplits, 2] fp32 partials when the keys are split. The oracle of what a workspace must hold."""
+    if plan["num_splits"] == 1:
+        return plan["seq_info_bytes"]
+    rows = t * h * plan["num_splits"]
+    return plan["seq_info_bytes"] + math.ceil(rows * d * 4 / 256) * 256 + rows * 2 * 4
+
+
+def test_step_workspace_is_what_the_step_uses(host_lib):
+    """kiviWorkspaceSize is the step's own plan: partials only when it splits, sized T x H x numSplits."""
     rng = random.Random(1)
     for _ in range(200):
+        cfg, hkv, grp, batch, _ = _random_case(rng)
+        d, mbs, t = rng.choice((64, 128)), rng.choice((1, 16, 1024)), rng.randint(1, 5000)
+        p = make(cfg, h=hkv * grp, hkv=hkv, d=d, batch=batch, tokens=t, maxBlocksPerSeq=mbs)
+        plan = host_lib.launch_plan(p)
+        used = _used_bytes(plan, t, hkv * grp, d)
+        assert used <= plan["workspace_size"] < used + 256, (plan, used)
+        assert (plan["partial_bytes"] == 0) == (plan["num_splits"] == 1)
+
+
+def test_profile_workspace_serves_every_step_of_the_profile(host_lib):
+    """TensorRT sizes the workspace once for an optimization profile and runs every smaller step in it. Oracle:
+    the bytes each step's plan indexes (_used_bytes), over token counts, batches and block-table widths inside
+    random profiles; the profile size is also no larger than the largest step's need (it is computed, not
+    bounded loosely)."""
+    rng = random.Random(2)
+    for _ in range(60):
         cfg, hkv, grp, _, _ = _random_case(rng)
-        d, mbs, sms = rng.choice((64, 128)), rng.choice((1, 16, 1024)), rng.choice((0, 7, 132))
-        big_t, big_b = rng.randint(1, 5000), rng.randint(1, 64)
-        big = make(cfg, h=hkv * grp, hkv=hkv, d=d, batch=big_b, tokens=big_t, maxBlocksPerSeq=mbs, numSms=sms)
-        limit = host_lib.workspace_size(big)
-        for t in sorted({1, 2, 3, 7, big_t // 3, big_t - 1, big_t}):
-            for b in {1, min(t, big_b), big_b}:
-                if t < 1 or b < 1 or t > big_t:
-                    continue
-                p = make(cfg, h=hkv * grp, hkv=hkv, d=d, batch=b, tokens=t, maxBlocksPerSeq=mbs, numSms=sms)
-                plan = host_lib.launch_plan(p)
-                assert plan["workspace_size"] <= limit, (t, b, big_t, big_b)
-                if plan["num_splits"] > 1:
-                    rows = t * hkv * grp * plan["num_splits"]
-                    used = math.ceil(rows * d * 4 / 256) * 256 + rows * 2 * 4
-                    assert used <= plan["partial_bytes"]
+        d, mbs, sms = rng.choice((64, 128)), rng.choice((1, 16, 300)), rng.choice((0, 7, 132))
+        t_max, b_max = rng.randint(1, 700), rng.randint(1, 16)
+        t_min, b_min = rng.randint(1, t_max), rng.randint(1, b_max)
+        h = hkv * grp
+        big = make(cfg, h=h, hkv=hkv, d=d, batch=b_max, tokens=t_max, maxBlocksPerSeq=mbs, numSms=sms)
+        m_min = rng.choice((1, mbs))  # a range of block-table widths, or the exporter's fixed one
+        limit = host_lib.workspace_size_for_profile(big, t_min, b_min, m_min)
+        largest_need = 0
+        for t in range(t_min, t_max + 1):
+            for b in sorted({b_min, (b_min + b_max) // 2, b_max}):
+                for m in sorted({m_min, (m_min + mbs) // 2, mbs}):
+                    p = make(cfg, h=h, hkv=hkv, d=d, batch=b, tokens=t, maxBlocksPerSeq=m, numSms=sms)
+                    need = _used_bytes(host_lib.launch_plan(p), t, h, d)
+                    assert need <= limit, (t, b, m, t_min, t_max, b_min, b_max, m_min, mbs)
+                    largest_need = max(largest_need, need)
+        if m_min == mbs:  # exact for a fixed width: the largest step need, with the largest batch's seq info
+            seq_info_max = host_lib.launch_plan(big)["seq_info_bytes"]
+            assert limit <= largest_need + seq_info_max + 256
+
+
+def test_profile_workspace_numbers_for_long_prefill_profiles(host_lib):
+    """Issue 12: a Llama-3-8B layer (32 q heads, 8 KV heads, D 128) with profiles up to 8K and 32K tokens per step
+    and 32K / 128K contexts was given 141 MB and 550 MB of split workspace sized by a bound on T x numSplits (T +
+    4 x 132 x 4 / 8 = 8456 rows x 32 heads for 8K tokens). The largest use is a step of 256 tokens, which
+    splits its keys 2 ways: 256 x 32 x 2 rows of 130 fp32 + seq info."""
+    for t_max, mbs in ((8192, 256), (32768, 1024)):
+        big = make(h=32, hkv=8, d=128, batch=8, tokens=t_max, maxBlocksPerSeq=mbs)
+        limit = host_lib.workspace_size_for_profile(big, 1, 1, mbs)
+        rows = 256 * 32 * 2
+        assert limit == math.ceil(rows * 128 * 4 / 256) * 256 + rows * 2 * 4 + 256, limit  # 8,519,936 bytes
+        step = make(h=32, hkv=8, d=128, batch=1, tokens=256, maxBlocksPerSeq=mbs)
+        assert host_lib.launch_plan(step)["num_splits"] == 2
+        assert limit < 9 * 2 ** 20
+    # A profile whose minimum already fills the GPU never splits: seq info only.
+    big = make(h=32, hkv=8, d=128, batch=8, tokens=8192, maxBlocksPerSeq=256)
+    assert host_lib.workspace_size_for_profile(big, 4096, 8, 256) == 256
+
+
+def test_tensor_core_attention_needs_sm80(host_lib):
+    """The WMMA kernel's body is compiled for sm_80+ only: the launcher checks the device's compute capability."""
+    tc = make(attentionImpl=_abi.ATTN_TENSOR_CORE)
+    msg = host_lib.check_arch(tc, 75)
+    assert "attention_impl=2 (tensor_core) needs compute capability >= 8.0; this device is sm_75 (7.5)" in msg
+    assert host_lib.check_arch(tc, 80) == "" and host_lib.check_arch(tc, 90) == ""
+    for impl in (_abi.ATTN_AUTO, _abi.ATTN_SIMT):
+        assert host_lib.check_arch(make(attentionImpl=impl), 75) == ""
 
 
 def test_built_cuda_library_exports_the_same_abi():

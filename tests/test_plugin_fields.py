@@ -8,6 +8,7 @@ binary's --print-fields output.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -18,8 +19,10 @@ import pytest
 
 from trtllm_kivi import format as fmt
 from trtllm_kivi.format import KiviConfig
-from trtllm_kivi.plugin import (FIELD_NAMES, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, config_from_fields,
-                                plugin_fields)
+from trtllm_kivi.cuda import _abi
+from trtllm_kivi.op import (FIELD_NAMES, KERNEL_SINK_TOKENS, MAX_SINK_TOKENS, PLUGIN_NAME, PLUGIN_NAMESPACE,
+                            PLUGIN_VERSION, ROTATIONS, STATUS_BITS, STATUS_OUTPUT, config_from_fields,
+                            describe_status, plugin_fields, rotations_from_fields)
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_DIR = ROOT / "plugins" / "kiviAttentionPlugin"
@@ -63,6 +66,9 @@ def test_allowed_values_are_format_constants():
     assert allowed["key_grouping"] == {"values": list(range(len(fmt.SUPPORTED_KEY_GROUPINGS))),
                                        "names": list(fmt.SUPPORTED_KEY_GROUPINGS)}
     assert allowed["format_version"]["values"] == [fmt.FORMAT_VERSION]
+    assert allowed["sink_tokens"] == {"min": 0, "max": MAX_SINK_TOKENS, "supported": list(KERNEL_SINK_TOKENS)}
+    for name in ("k_rotation", "v_rotation"):
+        assert allowed[name] == {"values": list(range(len(ROTATIONS))), "names": list(ROTATIONS)}
     assert allowed["residual_length"]["min"] == 0
     assert allowed["block_size"] == {"min": 1, "multiple_of_field": "group_size"}
     assert allowed["num_heads"] == {"min": 1, "multiple_of_field": "num_kv_heads"}
@@ -72,8 +78,8 @@ def test_allowed_values_round_trip_through_plugin_py():
     # Every allowed value is accepted by plugin.py's config_from_fields (the Python reader of the same fields);
     # the first value outside each list is refused with a message naming the field.
     base = plugin_fields(KiviConfig(), 9, 3, 64)
-    for name in ("k_bits", "v_bits", "group_size", "scale_dtype", "key_grouping", "head_dim", "k_rotation",
-                 "v_rotation"):
+    for name in ("k_bits", "v_bits", "group_size", "scale_dtype", "key_grouping", "k_rotation", "v_rotation",
+                 "head_dim"):
         values = SPEC_FIELDS[name]["allowed"]["values"]
         for v in values:
             fields = dict(base, **{name: v})
@@ -88,28 +94,45 @@ def test_allowed_values_round_trip_through_plugin_py():
             config_from_fields(dict(base, **{name: bad}))
 
 
-def test_format_v2_fields_per_layer():
-    # FORMAT_VERSION 2: sink_tokens and each node's layer's rotation codes (0 = none, 1 = hadamard).
+def test_issue11_fields_per_layer_round_trip_and_refusals():
+    # FORMAT_VERSION 2: sink_tokens and each node's layer's rotation codes (0 = none, 1 = hadamard) come from the
+    # KiviConfig (rotation per layer, for K and V separately) and are read back into it.
     assert FIELD_NAMES[-4:] == ("sink_tokens", "k_rotation", "v_rotation", "format_version")
-    assert SPEC_FIELDS["sink_tokens"]["allowed"] == {"min": 0, "max": fmt.MAX_SINK_TOKENS}
-    for name in ("k_rotation", "v_rotation"):
-        assert SPEC_FIELDS[name]["allowed"]["names"] == list(fmt.SUPPORTED_ROTATIONS)
+    assert ROTATIONS == fmt.SUPPORTED_ROTATIONS and MAX_SINK_TOKENS == fmt.MAX_SINK_TOKENS
     cfg = KiviConfig(sink_tokens=4, k_rotation=("none", "hadamard"), v_rotation="hadamard")
     f0, f1 = plugin_fields(cfg, 9, 3, 64, layer=0), plugin_fields(cfg, 9, 3, 64, layer=1)
+    assert list(f0) == list(FIELD_NAMES)
     assert (f0["sink_tokens"], f0["k_rotation"], f0["v_rotation"]) == (4, 0, 1)
     assert (f1["k_rotation"], f1["v_rotation"]) == (1, 1)
-    assert config_from_fields(f1)[0] == cfg.for_layer(1)
+    assert rotations_from_fields(f0) == ("none", "hadamard")
+    assert config_from_fields(f1)[0] == cfg.for_layer(1)  # a rotated cache's config is never read unrotated
     with pytest.raises(ValueError, match=r"sink_tokens=129 must be an integer in \[0, 128\]"):
         config_from_fields(dict(f0, sink_tokens=129))
     with pytest.raises(ValueError, match=r"k_rotation=2 is not supported; allowed: 0..1 \(none, hadamard\)"):
         config_from_fields(dict(f0, k_rotation=2))
+    with pytest.raises(ValueError, match="v_rotation=2"):
+        rotations_from_fields(dict(f0, v_rotation=2))
+
+
+def test_status_bits_are_the_kernels_error_bits():
+    # op.py names the bits the plugin's status output carries: kiviParams.h's KiviErrorBits (via _abi).
+    assert STATUS_BITS.keys() == {_abi.ERR_LENGTH, _abi.ERR_CAPACITY, _abi.ERR_SLOT, _abi.ERR_BLOCK_ID}
+    header = (ROOT / "plugins" / "kernels" / "include" / "kiviParams.h").read_text()
+    assert dict(re.findall(r"(kKIVI_ERR_\w+) = (\d+),", header)) == {
+        "kKIVI_ERR_LENGTH": "1", "kKIVI_ERR_CAPACITY": "2", "kKIVI_ERR_SLOT": "4", "kKIVI_ERR_BLOCK_ID": "8"}
+    assert describe_status(0) == "none"
+    assert describe_status(_abi.ERR_CAPACITY | _abi.ERR_SLOT) == f"{STATUS_BITS[2]}, {STATUS_BITS[4]}"
+    assert describe_status(16 | 1) == f"{STATUS_BITS[1]}, unknown bits 0x10"
 
 
 def test_io_spec_matches_buffer_order():
     head = ["q", "k", "v", "slot_ids", "past_len", "chunk_len", "block_table"]
     assert [i["name"] for i in SPEC["inputs"]] == head + list(fmt.BUFFER_NAMES)
-    assert [o["name"] for o in SPEC["outputs"]] == ["out"] + list(fmt.BUFFER_NAMES)
-    assert [o["aliased_input"] for o in SPEC["outputs"]] == [None] + list(range(7, 7 + len(fmt.BUFFER_NAMES)))
+    assert [o["name"] for o in SPEC["outputs"]] == ["out"] + list(fmt.BUFFER_NAMES) + [STATUS_OUTPUT]
+    assert [o["aliased_input"] for o in SPEC["outputs"]] == ([None] + list(range(7, 7 + len(fmt.BUFFER_NAMES)))
+                                                             + [None])
+    assert SPEC["outputs"][-1] | {"doc": ""} == {"name": "status", "dtype": "int32", "shape": [1],
+                                                 "aliased_input": None, "doc": ""}
     # Buffer dtypes as format.buffer_dtypes names them ("act" = activation, "scale" = scale_dtype).
     dtypes = fmt.buffer_dtypes(KiviConfig(scale_dtype="bfloat16"), "float16")
     symbolic = {"int32": "int32", "bfloat16": "scale", "float16": "act"}
@@ -147,8 +170,6 @@ def _cpp_member_defaults() -> dict[str, int]:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11: sink_tokens/k_rotation/v_rotation are added to the C++ field table "
-                   "on the plugin helper's branch; strict, so the merge that brings them must drop this mark")
 def test_cpp_field_table_matches_spec():
     table = _cpp_field_table()
     assert [name for name, _, _ in table] == list(FIELD_NAMES)
@@ -163,6 +184,14 @@ def test_cpp_field_table_matches_spec():
     assert consts["kFORMAT_VERSION"] == SPEC_FIELDS["format_version"]["default"]
     assert consts["kSCALE_DTYPE_FLOAT32"] == len(fmt.SUPPORTED_SCALE_DTYPES) - 1
     assert consts["kKEY_GROUPING_PER_TOKEN"] == len(fmt.SUPPORTED_KEY_GROUPINGS) - 1
+    # The plugin's own constants for issue 11's fields (kiviAttentionParams.h) and its output count.
+    header = (PLUGIN_DIR / "kiviAttentionParams.h").read_text()
+    plugin_consts = {m[1]: m[2] for m in re.finditer(r"constexpr int32_t (\w+) = ([^;]+);", header)}
+    assert int(plugin_consts["kMAX_SINK_TOKENS"]) == MAX_SINK_TOKENS
+    assert [int(plugin_consts["kSUPPORTED_SINK_TOKENS"])] == list(KERNEL_SINK_TOKENS)
+    assert [int(plugin_consts[f"kROTATION_{n.upper()}"]) for n in ROTATIONS] == list(range(len(ROTATIONS)))
+    assert plugin_consts["kOUT_STATUS"] == "kOUT_BUFFERS + kNUM_BUFFERS"
+    assert plugin_consts["kNB_OUTPUTS"] == "kOUT_STATUS + 1"
 
 
 def test_cpp_input_names_match_spec():

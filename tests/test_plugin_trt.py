@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from trtllm_kivi.format import BUFFER_NAMES, FORMAT_VERSION, KiviConfig, buffer_shapes
+from trtllm_kivi.op import STATUS_OUTPUT
 from trtllm_kivi.plugin import (PLUGIN_LIBRARY_NAME, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION,
                                 find_plugin_library, load_plugin_library, plugin_fields)
 from trtllm_kivi.reference.attention import KiviBuffers, kivi_attention
@@ -69,7 +70,7 @@ def _build_engine(cfg: KiviConfig, act: torch.dtype):
     specs += [(name, t.dtype, tuple(t.shape)) for name, t in zip(BUFFER_NAMES, bufs)]
     inputs = [network.add_input(name, TRT_DTYPES[dt], shape) for name, dt, shape in specs]
     layer = network.add_plugin_v3(inputs, [], plugin)
-    for i, name in enumerate(["out"] + [f"{n}_out" for n in BUFFER_NAMES]):
+    for i, name in enumerate(["out"] + [f"{n}_out" for n in BUFFER_NAMES] + [STATUS_OUTPUT]):
         layer.get_output(i).name = name
         network.mark_output(layer.get_output(i))
     profile = builder.create_optimization_profile()
@@ -89,8 +90,9 @@ def _build_engine(cfg: KiviConfig, act: torch.dtype):
     return engine
 
 
-def _run(engine, context, q, k, v, slot_ids, past_len, chunk_len, block_table, bufs: KiviBuffers):
-    """One step on the GPU; bufs (CUDA tensors) are updated in place through the aliased outputs."""
+def _run(engine, context, q, k, v, slot_ids, past_len, chunk_len, block_table, bufs: KiviBuffers, status=None):
+    """One step on the GPU; bufs (CUDA tensors) are updated in place through the aliased outputs. The status output
+    (the kernels' error bits) is written to `status` when given, else checked to be 0."""
     named = dict(q=q, k=k, v=v, slot_ids=slot_ids, past_len=past_len, chunk_len=chunk_len, block_table=block_table)
     named.update(zip(BUFFER_NAMES, bufs))
     for name, t in named.items():
@@ -102,8 +104,12 @@ def _run(engine, context, q, k, v, slot_ids, past_len, chunk_len, block_table, b
     for name, t in zip(BUFFER_NAMES, bufs):
         assert engine.get_aliased_input_tensor(f"{name}_out") == name
         context.set_tensor_address(f"{name}_out", t.data_ptr())
+    st = torch.full((1,), -1, dtype=torch.int32, device="cuda") if status is None else status
+    context.set_tensor_address(STATUS_OUTPUT, st.data_ptr())
     assert context.execute_async_v3(torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
+    if status is None:
+        assert st.item() == 0, f"status {st.item()}"
     return out
 
 
@@ -136,11 +142,30 @@ def test_engine_matches_reference_over_two_steps(act):
             assert torch.equal(got.cpu(), want), f"{name} differs from the reference after step {past}->{chunk}"
 
 
+def test_status_output_reports_a_skipped_sequence():
+    # Device lengths past the block table (no host check can see them): the sequence is skipped and the status
+    # output carries kKIVI_ERR_CAPACITY (2) instead of a silent zero row.
+    _library_or_skip()
+    cfg = KiviConfig()
+    engine = _build_engine(cfg, torch.float16)
+    context = engine.create_execution_context()
+    bufs = KiviBuffers(*(t.cuda() for t in KiviBuffers.allocate(cfg, HKV, D, NUM_BLOCKS, NUM_SLOTS,
+                                                                 dtype=torch.float16)))
+    i32 = dict(dtype=torch.int32, device="cuda")
+    q, kv = torch.randn(2, H, D, device="cuda").half(), torch.randn(2, HKV, D, device="cuda").half()
+    status = torch.full((1,), -1, **i32)
+    out = _run(engine, context, q, kv, kv, torch.tensor([0, 1], **i32), torch.tensor([0, 5000], **i32),
+               torch.tensor([1, 1], **i32), torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], **i32), bufs, status)
+    assert status.item() == 2
+    assert torch.all(out[1] == 0)
+
+
 def test_creator_refuses_bad_fields():
     _library_or_skip()
     creator = _creator()
     fields = plugin_fields(KiviConfig(), H, HKV, D)
-    for bad in (dict(fields, format_version=FORMAT_VERSION + 1), dict(fields, k_bits=3), dict(fields, head_dim=96)):
+    for bad in (dict(fields, format_version=FORMAT_VERSION + 1), dict(fields, k_bits=3), dict(fields, head_dim=96),
+                dict(fields, sink_tokens=4), dict(fields, k_rotation=2)):
         assert creator.create_plugin("bad", _field_collection(bad), trt.TensorRTPhase.BUILD) is None
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -112,9 +112,11 @@ class KVCache(ABC):
 
     def _make_step(self, slots: Sequence[int], chunk_lens: Sequence[int], block_table: torch.Tensor) -> Step:
         past = [self.seq_lens[s] for s in slots]
-        i32 = dict(dtype=torch.int32, device=self.device)
-        return Step(list(slots), past, list(chunk_lens), torch.tensor(list(slots), **i32),
-                    torch.tensor(past, **i32), torch.tensor(list(chunk_lens), **i32), block_table)
+        def i32(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int32, device=self.device)
+
+        return Step(list(slots), past, list(chunk_lens), i32(list(slots)), i32(past), i32(list(chunk_lens)),
+                    block_table)
 
     def end_step(self, step: Step) -> None:
         """Advance the lengths of the step's sequences (after every layer ran)."""
@@ -161,7 +163,7 @@ class AttentionBackend(ABC):
 
     name: str
 
-    def __init__(self, cache: "KiviCache") -> None:
+    def __init__(self, cache: KiviCache) -> None:
         self.cache = cache
 
     @classmethod
@@ -198,7 +200,7 @@ class MemoBackend(AttentionBackend):
 
     name = "memo"
 
-    def __init__(self, cache: "KiviCache") -> None:
+    def __init__(self, cache: KiviCache) -> None:
         super().__init__(cache)
         self._memo: dict[tuple[int, int], tuple[int, torch.Tensor, torch.Tensor]] = {}  # (layer, slot) -> n, K, V
 

@@ -198,7 +198,7 @@ class KiviConfig:
         return any(x != "none" for r in (self.k_rotation, self.v_rotation) for x in
                    ((r,) if isinstance(r, str) else r))
 
-    def for_layer(self, layer: int) -> "KiviConfig":
+    def for_layer(self, layer: int) -> KiviConfig:
         """This config with the rotations of one layer (what that layer's op node / plugin records)."""
         return dataclasses.replace(self, k_rotation=self.k_rotation_of(layer), v_rotation=self.v_rotation_of(layer))
 
@@ -383,7 +383,8 @@ def c_header() -> str:
         f"constexpr int32_t kDEFAULT_GROUP_SIZE = {DEFAULT_GROUP_SIZE};",
         f"constexpr int32_t kDEFAULT_RESIDUAL_LENGTH = {DEFAULT_RESIDUAL_LENGTH};",
         f"constexpr int32_t kDEFAULT_BLOCK_SIZE = {DEFAULT_BLOCK_SIZE};",
-        f"constexpr int32_t kMAX_SINK_TOKENS = {MAX_SINK_TOKENS};",
+        # kMAX_SINK_TOKENS and kROTATION_* live in kiviAttentionPlugin/kiviAttentionParams.h (checked against
+        # MAX_SINK_TOKENS / SUPPORTED_ROTATIONS by tests/test_plugin_fields.py)
         f"constexpr int32_t kDEFAULT_SINK_TOKENS = {DEFAULT_SINK_TOKENS};",
         "",
         "// Scale/zero dtype codes (plugin field `scale_dtype`).",
@@ -393,9 +394,6 @@ def c_header() -> str:
     lines.append("// Key grouping codes (plugin field `key_grouping`).")
     for i, name in enumerate(SUPPORTED_KEY_GROUPINGS):
         lines.append(f"constexpr int32_t kKEY_GROUPING_{name.upper()} = {i};")
-    lines.append("// Rotation codes (plugin fields `k_rotation`, `v_rotation`; applied outside the op).")
-    for i, name in enumerate(SUPPORTED_ROTATIONS):
-        lines.append(f"constexpr int32_t kROTATION_{name.upper()} = {i};")
     lines.append("// Buffer order of the op's cache inputs/outputs.")
     for i, name in enumerate(BUFFER_NAMES):
         lines.append(f"constexpr int32_t kBUFFER_{name.upper()} = {i};")

@@ -3,7 +3,8 @@
 - identity: PLUGIN_NAME / PLUGIN_VERSION / PLUGIN_NAMESPACE (the TensorRT plugin, the ONNX node's op type + domain);
 - fields: FIELDS, the one list of int32 plugin fields = ONNX node attributes (the C++ creator parses the same list,
   plugins/kiviAttentionPlugin/fields.json is its machine-readable copy); plugin_fields / config_from_fields;
-- the graph's I/O: STEP_INPUTS (the per-step inputs besides the cache) and cache_io_names (past.* / present.*);
+- the graph's I/O: STEP_INPUTS (the per-step inputs besides the cache), cache_io_names (past.* / present.*) and
+  status_name (status.*: the plugin's error bits of each layer, STATUS_OUTPUT / STATUS_BITS / describe_status);
 - ExportSpec (what a graph is built for) and GraphInfo (everything a runner needs to drive a graph: KIVI config,
   geometry, maxima, vocabulary), which a build folder's build_config.json records once;
 - check_format_version: the one FORMAT_VERSION check, for graphs, build folders and libraries;
@@ -29,6 +30,11 @@ PLUGIN_NAMESPACE = "trtllm_kivi"
 DOMAIN = PLUGIN_NAMESPACE  # ONNX custom-op domain of the KiviAttention nodes
 OPSET = 18  # the default-domain opset of exported graphs
 
+# Issue 11's format options as plugin fields. The op is rotation-agnostic (rotation is applied in the graph): the
+# codes only record the format of this layer's cache, so a rotated cache is never read unrotated.
+ROTATIONS = SUPPORTED_ROTATIONS  # k_rotation / v_rotation codes 0, 1 (format.py; MAX_SINK_TOKENS too)
+KERNEL_SINK_TOKENS = (0,)  # what the CUDA plugin runs today: it refuses sink_tokens > 0 at creation
+
 
 @dataclass(frozen=True)
 class PluginField:
@@ -50,11 +56,11 @@ FIELDS = (
         f"{i}={n}" for i, n in enumerate(SUPPORTED_SCALE_DTYPES))),
     PluginField("key_grouping", "key grouping code: " + ", ".join(
         f"{i}={n}" for i, n in enumerate(SUPPORTED_KEY_GROUPINGS))),
-    PluginField("sink_tokens", f"S: the first S tokens stay in full precision (0..{MAX_SINK_TOKENS})"),
-    PluginField("k_rotation", "rotation of this node's layer's K (applied outside the op): " + ", ".join(
-        f"{i}={n}" for i, n in enumerate(SUPPORTED_ROTATIONS))),
-    PluginField("v_rotation", "rotation of this node's layer's V (applied outside the op): " + ", ".join(
-        f"{i}={n}" for i, n in enumerate(SUPPORTED_ROTATIONS))),
+    PluginField("sink_tokens", f"S: tokens [0, S) of each sequence kept in full precision (0..{MAX_SINK_TOKENS})"),
+    PluginField("k_rotation", "rotation of this layer's cached keys: " + ", ".join(
+        f"{i}={n}" for i, n in enumerate(ROTATIONS))),
+    PluginField("v_rotation", "rotation of this layer's cached values: " + ", ".join(
+        f"{i}={n}" for i, n in enumerate(ROTATIONS))),
     PluginField("format_version", "storage format version the engine was built for"),
 )
 FIELD_NAMES = tuple(f.name for f in FIELDS)
@@ -63,7 +69,7 @@ FIELD_NAMES = tuple(f.name for f in FIELDS)
 def plugin_fields(cfg: KiviConfig, num_heads: int, num_kv_heads: int, head_dim: int, layer: int = 0
                   ) -> dict[str, int]:
     """KiviConfig + geometry -> plugin fields / ONNX node attributes (all int32), in FIELDS order, for the node of
-    `layer` (its k_rotation / v_rotation codes)."""
+    `layer`: its k_rotation / v_rotation codes (rotation is per layer, for K and V separately; format.py)."""
     Geometry(1, num_heads, num_kv_heads, head_dim)  # validates the geometry
     cfg.check_head_dim(head_dim)
     return {
@@ -78,8 +84,8 @@ def plugin_fields(cfg: KiviConfig, num_heads: int, num_kv_heads: int, head_dim: 
         "scale_dtype": SUPPORTED_SCALE_DTYPES.index(cfg.scale_dtype),
         "key_grouping": SUPPORTED_KEY_GROUPINGS.index(cfg.key_grouping),
         "sink_tokens": cfg.sink_tokens,
-        "k_rotation": SUPPORTED_ROTATIONS.index(cfg.k_rotation_of(layer)),
-        "v_rotation": SUPPORTED_ROTATIONS.index(cfg.v_rotation_of(layer)),
+        "k_rotation": ROTATIONS.index(cfg.k_rotation_of(layer)),
+        "v_rotation": ROTATIONS.index(cfg.v_rotation_of(layer)),
         "format_version": FORMAT_VERSION,
     }
 
@@ -93,7 +99,7 @@ def config_from_fields(fields: dict[str, int]) -> tuple[KiviConfig, int, int, in
         raise ValueError(f"KiviAttention fields: missing {missing}, unknown {unknown}; expected {list(FIELD_NAMES)}")
     check_format_version(fields["format_version"], "KiviAttention field format_version")
     for name, allowed in (("scale_dtype", SUPPORTED_SCALE_DTYPES), ("key_grouping", SUPPORTED_KEY_GROUPINGS),
-                          ("k_rotation", SUPPORTED_ROTATIONS), ("v_rotation", SUPPORTED_ROTATIONS)):
+                          ("k_rotation", ROTATIONS), ("v_rotation", ROTATIONS)):
         if not 0 <= fields[name] < len(allowed):
             raise ValueError(f"{name}={fields[name]} is not supported; allowed: 0..{len(allowed) - 1} "
                              f"({', '.join(allowed)})")
@@ -101,11 +107,20 @@ def config_from_fields(fields: dict[str, int]) -> tuple[KiviConfig, int, int, in
                      residual_length=fields["residual_length"], block_size=fields["block_size"],
                      scale_dtype=SUPPORTED_SCALE_DTYPES[fields["scale_dtype"]],
                      key_grouping=SUPPORTED_KEY_GROUPINGS[fields["key_grouping"]],
-                     sink_tokens=fields["sink_tokens"], k_rotation=SUPPORTED_ROTATIONS[fields["k_rotation"]],
-                     v_rotation=SUPPORTED_ROTATIONS[fields["v_rotation"]])
+                     sink_tokens=fields["sink_tokens"], k_rotation=ROTATIONS[fields["k_rotation"]],
+                     v_rotation=ROTATIONS[fields["v_rotation"]])  # validates sink_tokens, naming it
     Geometry(1, fields["num_heads"], fields["num_kv_heads"], fields["head_dim"])
     cfg.check_head_dim(fields["head_dim"])
     return cfg, fields["num_heads"], fields["num_kv_heads"], fields["head_dim"]
+
+
+def rotations_from_fields(fields: dict[str, int]) -> tuple[str, str]:
+    """(k_rotation, v_rotation) names of one node's fields; refuses codes outside ROTATIONS by name."""
+    for name in ("k_rotation", "v_rotation"):
+        if not 0 <= fields[name] < len(ROTATIONS):
+            raise ValueError(f"{name}={fields[name]} is not supported; allowed: "
+                             + ", ".join(f"{i} ({n})" for i, n in enumerate(ROTATIONS)))
+    return ROTATIONS[fields["k_rotation"]], ROTATIONS[fields["v_rotation"]]
 
 
 def check_format_version(found: object, what: str) -> None:
@@ -125,6 +140,26 @@ LOGITS = "logits"
 def cache_io_names(layer: int) -> tuple[list[str], list[str]]:
     """(past.*, present.*) tensor names of one layer, in BUFFER_NAMES order."""
     return [f"past.{layer}.{n}" for n in BUFFER_NAMES], [f"present.{layer}.{n}" for n in BUFFER_NAMES]
+
+
+# The plugin's output after `out` and the cache buffers: status, int32 [1], the OR of the kernels' KiviErrorBits
+# over the step's sequences (plugins/kernels/include/kiviParams.h). Nonzero: the flagged sequences were skipped.
+STATUS_OUTPUT = "status"
+STATUS_BITS = {1: "length (past_len/chunk_len negative or past the step's rows)",
+               2: "capacity (past_len + chunk_len beyond the block table or max_seq_len)",
+               4: "slot id outside [0, num_slots)", 8: "block id outside [0, num_blocks)"}
+
+
+def status_name(layer: int) -> str:
+    """The graph output carrying one layer's KiviAttention status (STATUS_OUTPUT)."""
+    return f"{STATUS_OUTPUT}.{layer}"
+
+
+def describe_status(bits: int) -> str:
+    """KiviErrorBits -> 'length (...), slot id ...' (unknown bits named by value)."""
+    names = [name for bit, name in STATUS_BITS.items() if bits & bit]
+    rest = bits & ~sum(STATUS_BITS)
+    return ", ".join(names + ([f"unknown bits {rest:#x}"] if rest else [])) or "none"
 
 
 GRAPH_DTYPES = ("float16", "bfloat16", "float32")  # activation dtypes a graph can be built for
@@ -186,7 +221,7 @@ class GraphInfo:
                 "dtype": self.spec.dtype, "vocab_size": self.vocab_size}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GraphInfo":
+    def from_dict(cls, d: dict) -> GraphInfo:
         m = d["maxima"]
         info = cls(KiviConfig.from_dict(d["kivi_config"]), Geometry(**d["geometry"]),
                    ExportSpec(canonical_dtype(d["dtype"]), m["max_batch_size"], m["max_seq_len"],
@@ -198,9 +233,8 @@ class GraphInfo:
         return info
 
     def check_node_fields(self, fields: dict[str, int], where: str, layer: int = 0) -> None:
-        """A graph's node attributes must be exactly what this info derives for its layer (one source of truth: a
-        cache written rotated is never read unrotated)."""
-        want = self.fields(layer)
+        """A graph's node attributes must be exactly what this info derives (one source of truth)."""
+        want = self.fields(layer)  # a cache written rotated is never read unrotated
         bad = {k: (fields.get(k), v) for k, v in want.items() if fields.get(k) != v}
         if bad:
             detail = ", ".join(f"{k}: graph {a!r} vs build config {b!r}" for k, (a, b) in bad.items())
@@ -232,5 +266,7 @@ def find_library(name: str, env_var: str, path: str | os.PathLike | None = None,
 
 
 __all__ = ["PLUGIN_NAME", "PLUGIN_VERSION", "PLUGIN_NAMESPACE", "DOMAIN", "OPSET", "PluginField", "FIELDS",
-           "FIELD_NAMES", "plugin_fields", "config_from_fields", "check_format_version", "STEP_INPUTS", "LOGITS",
-           "cache_io_names", "GRAPH_DTYPES", "ExportSpec", "GraphInfo", "library_candidates", "find_library"]
+           "FIELD_NAMES", "ROTATIONS", "MAX_SINK_TOKENS", "KERNEL_SINK_TOKENS", "plugin_fields", "config_from_fields",
+           "rotations_from_fields", "check_format_version", "STEP_INPUTS", "LOGITS", "cache_io_names",
+           "STATUS_OUTPUT", "STATUS_BITS", "status_name", "describe_status", "GRAPH_DTYPES", "ExportSpec",
+           "GraphInfo", "library_candidates", "find_library"]

@@ -15,7 +15,6 @@ constexpr int32_t kDEFAULT_V_BITS = 2;
 constexpr int32_t kDEFAULT_GROUP_SIZE = 32;
 constexpr int32_t kDEFAULT_RESIDUAL_LENGTH = 128;
 constexpr int32_t kDEFAULT_BLOCK_SIZE = 128;
-constexpr int32_t kMAX_SINK_TOKENS = 128;
 constexpr int32_t kDEFAULT_SINK_TOKENS = 0;
 
 // Scale/zero dtype codes (plugin field `scale_dtype`).
@@ -25,9 +24,6 @@ constexpr int32_t kSCALE_DTYPE_FLOAT32 = 2;
 // Key grouping codes (plugin field `key_grouping`).
 constexpr int32_t kKEY_GROUPING_PER_CHANNEL = 0;
 constexpr int32_t kKEY_GROUPING_PER_TOKEN = 1;
-// Rotation codes (plugin fields `k_rotation`, `v_rotation`; applied outside the op).
-constexpr int32_t kROTATION_NONE = 0;
-constexpr int32_t kROTATION_HADAMARD = 1;
 // Buffer order of the op's cache inputs/outputs.
 constexpr int32_t kBUFFER_K_CODES = 0;
 constexpr int32_t kBUFFER_K_SCALE = 1;

@@ -6,7 +6,9 @@
 
 #include <atomic>
 #include <cstdio>
+#include <initializer_list>
 #include <sstream>
+#include <utility>
 
 namespace trtllm_kivi
 {
@@ -29,6 +31,9 @@ std::array<FieldSpec, kNB_FIELDS> const kFIELDS{{
     {"block_size", &KiviAttentionParams::blockSize, false},
     {"scale_dtype", &KiviAttentionParams::scaleDtype, false},
     {"key_grouping", &KiviAttentionParams::keyGrouping, false},
+    {"sink_tokens", &KiviAttentionParams::sinkTokens, false},
+    {"k_rotation", &KiviAttentionParams::kRotation, false},
+    {"v_rotation", &KiviAttentionParams::vRotation, false},
     {"format_version", &KiviAttentionParams::formatVersion, false},
 }};
 // END FIELD TABLE
@@ -49,6 +54,7 @@ namespace
 {
 constexpr char const* kSCALE_DTYPE_NAMES[] = {"float16", "bfloat16", "float32"};
 constexpr char const* kKEY_GROUPING_NAMES[] = {"per_channel", "per_token"};
+constexpr char const* kROTATION_NAMES[] = {"none", "hadamard"};
 constexpr char const* kINPUT_NAMES[kNB_INPUTS] = {"q", "k", "v", "slot_ids", "past_len", "chunk_len", "block_table",
     "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_window", "v_window"};
 
@@ -221,6 +227,25 @@ std::string validateParams(KiviAttentionParams const& p)
     {
         return notSupported("key_grouping", p.keyGrouping, "0=per_channel, 1=per_token");
     }
+    if (p.sinkTokens < 0 || p.sinkTokens > kMAX_SINK_TOKENS)
+    {
+        return "KiviAttention field sink_tokens=" + std::to_string(p.sinkTokens) + " must be in [0, "
+            + std::to_string(kMAX_SINK_TOKENS) + "]";
+    }
+    // Refused, never ignored: a kernel that quantized the sink tokens would silently read another format.
+    if (p.sinkTokens != kSUPPORTED_SINK_TOKENS)
+    {
+        return "KiviAttention field sink_tokens=" + std::to_string(p.sinkTokens)
+            + " is not supported yet: the KIVI CUDA kernels keep no full-precision sink tokens; allowed: "
+            + std::to_string(kSUPPORTED_SINK_TOKENS) + " (run sink-protected caches with the torch runtime)";
+    }
+    for (auto const& r : {std::make_pair("k_rotation", p.kRotation), std::make_pair("v_rotation", p.vRotation)})
+    {
+        if (r.second != kROTATION_NONE && r.second != kROTATION_HADAMARD)
+        {
+            return notSupported(r.first, r.second, "0=none, 1=hadamard");
+        }
+    }
     return "";
 }
 
@@ -246,7 +271,13 @@ std::string describe(KiviAttentionParams const& p)
         && p.keyGrouping <= kKEY_GROUPING_PER_TOKEN)
     {
         os << " (" << kSCALE_DTYPE_NAMES[p.scaleDtype] << " scales, " << kKEY_GROUPING_NAMES[p.keyGrouping]
-           << " keys)";
+           << " keys";
+        if (p.kRotation == kROTATION_HADAMARD || p.vRotation == kROTATION_HADAMARD)
+        {
+            os << ", rotation k=" << kROTATION_NAMES[p.kRotation == kROTATION_HADAMARD ? 1 : 0]
+               << " v=" << kROTATION_NAMES[p.vRotation == kROTATION_HADAMARD ? 1 : 0];
+        }
+        os << ")";
     }
     return os.str();
 }

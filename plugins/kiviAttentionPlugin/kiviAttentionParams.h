@@ -1,9 +1,9 @@
 /*
  * KiviAttention plugin: fields, validation and I/O checks (host only; no CUDA, no libnvinfer symbols).
  *
- * The field table kFIELDS is the C++ copy of trtllm_kivi/plugin.py FIELDS (same names, same order, all int32
+ * The field table kFIELDS is the C++ copy of trtllm_kivi/op.py FIELDS (same names, same order, all int32
  * scalars); tests/test_plugin_fields.py parses it from kiviAttentionParams.cpp and compares it with fields.json,
- * format.py and plugin.py.
+ * format.py and op.py.
  */
 #pragma once
 
@@ -36,7 +36,19 @@ constexpr int32_t kIN_BUFFERS = 7;
 constexpr int32_t kNB_INPUTS = kIN_BUFFERS + kNUM_BUFFERS; // 15
 constexpr int32_t kOUT_OUT = 0;
 constexpr int32_t kOUT_BUFFERS = 1;
-constexpr int32_t kNB_OUTPUTS = kOUT_BUFFERS + kNUM_BUFFERS; // 9
+//! int32 [1]: the OR of the kernels' KiviErrorBits over this step's sequences (0 = every sequence ran). A sequence
+//! failing a device-side check is skipped (zero output rows, cache untouched); this output makes that observable.
+constexpr int32_t kOUT_STATUS = kOUT_BUFFERS + kNUM_BUFFERS; // 9
+constexpr int32_t kNB_OUTPUTS = kOUT_STATUS + 1;             // 10
+
+//! sink_tokens: tokens [0, S) of each sequence kept in full precision (issue 11), 0 ..= kMAX_SINK_TOKENS. The
+//! KIVI kernels keep no sinks yet, so the creator refuses S > 0 (kSUPPORTED_SINK_TOKENS).
+constexpr int32_t kMAX_SINK_TOKENS = 128;
+constexpr int32_t kSUPPORTED_SINK_TOKENS = 0;
+//! k_rotation / v_rotation codes: what this layer's cached K / V were multiplied by along head_dim before the op
+//! (the op is rotation-agnostic; the field records the format so a rotated cache is never read unrotated).
+constexpr int32_t kROTATION_NONE = 0;
+constexpr int32_t kROTATION_HADAMARD = 1;
 
 //! The plugin's creation state: exactly the plugin fields, in serialization order.
 struct KiviAttentionParams
@@ -51,6 +63,9 @@ struct KiviAttentionParams
     int32_t blockSize{kDEFAULT_BLOCK_SIZE};
     int32_t scaleDtype{kSCALE_DTYPE_FLOAT16};
     int32_t keyGrouping{kKEY_GROUPING_PER_CHANNEL};
+    int32_t sinkTokens{0}; // kSUPPORTED_SINK_TOKENS
+    int32_t kRotation{0};  // kROTATION_NONE
+    int32_t vRotation{0};  // kROTATION_NONE
     int32_t formatVersion{kFORMAT_VERSION};
 
     bool operator==(KiviAttentionParams const& o) const noexcept;
@@ -65,7 +80,7 @@ struct FieldSpec
     bool requiredAtBuild;
 };
 
-constexpr size_t kNB_FIELDS = 11;
+constexpr size_t kNB_FIELDS = 14;
 extern std::array<FieldSpec, kNB_FIELDS> const kFIELDS;
 
 //! Parse a field collection into params (defaults for absent optional fields); returns "" or an error that names

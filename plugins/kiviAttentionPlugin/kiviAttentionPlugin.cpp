@@ -9,6 +9,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdio>
 #include <exception>
 #include <limits>
 #include <memory>
@@ -43,6 +44,13 @@ int32_t fail(std::string const& msg) noexcept
 {
     reportError(msg);
     return -1;
+}
+
+std::string pointerString(void const* ptr)
+{
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%p", ptr);
+    return buf;
 }
 
 bool fitsInt32(int64_t v)
@@ -194,8 +202,8 @@ int32_t KiviAttentionPlugin::getNbOutputs() const noexcept
 
 int32_t KiviAttentionPlugin::getAliasedInput(int32_t outputIndex) noexcept
 {
-    // out is fresh; every cache buffer output is its input, updated in place (no hidden state).
-    return outputIndex >= kOUT_BUFFERS && outputIndex < kNB_OUTPUTS ? kIN_BUFFERS + outputIndex - kOUT_BUFFERS : -1;
+    // out and status are fresh; every cache buffer output is its input, updated in place (no hidden state).
+    return outputIndex >= kOUT_BUFFERS && outputIndex < kOUT_STATUS ? kIN_BUFFERS + outputIndex - kOUT_BUFFERS : -1;
 }
 
 int32_t KiviAttentionPlugin::getOutputDataTypes(
@@ -217,13 +225,14 @@ int32_t KiviAttentionPlugin::getOutputDataTypes(
         {
             outputTypes[kOUT_BUFFERS + b] = inputTypes[kIN_BUFFERS + b];
         }
+        outputTypes[kOUT_STATUS] = DataType::kINT32;
         return 0;
     });
 }
 
 int32_t KiviAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInputs,
     DimsExprs const* /* shapeInputs */, int32_t /* nbShapeInputs */, DimsExprs* outputs, int32_t nbOutputs,
-    IExprBuilder& /* exprBuilder */) noexcept
+    IExprBuilder& exprBuilder) noexcept
 {
     return guarded<int32_t>("getOutputShapes", -1, [&]() -> int32_t {
         if (inputs == nullptr || outputs == nullptr || nbInputs != kNB_INPUTS || nbOutputs != kNB_OUTPUTS)
@@ -247,7 +256,9 @@ int32_t KiviAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nb
         {
             outputs[kOUT_BUFFERS + b] = inputs[kIN_BUFFERS + b];
         }
-        return 0;
+        outputs[kOUT_STATUS].nbDims = 1; // [1]: the step's error bits
+        outputs[kOUT_STATUS].d[0] = exprBuilder.constant(1);
+        return outputs[kOUT_STATUS].d[0] != nullptr ? 0 : fail("KiviAttention: the expression builder failed");
     });
 }
 
@@ -274,6 +285,10 @@ bool KiviAttentionPlugin::supportsFormatCombination(
         return desc.type == expectedInputType(mParams, pos, act);
     }
     int32_t const o = pos - nbInputs;
+    if (o == kOUT_STATUS)
+    {
+        return desc.type == DataType::kINT32;
+    }
     return desc.type == (o == kOUT_OUT ? act : expectedInputType(mParams, kIN_BUFFERS + o - kOUT_BUFFERS, act));
 }
 
@@ -328,8 +343,13 @@ size_t KiviAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inpu
         {
             return 0; // configurePlugin reports the problem
         }
-        // The kernels' workspace grows with tokens, batch and table width: the profile max covers any smaller step.
-        return kk::kiviWorkspaceSize(s);
+        // Every step of the profile runs in this workspace: sized from the split plans of the steps between the
+        // profile's min and max (a decode step splits its keys, a long prefill step does not), not the max alone.
+        auto const lo = [&](int32_t input, int32_t dim) {
+            int64_t const v = inputs[input].min.nbDims > dim ? inputs[input].min.d[dim] : -1;
+            return static_cast<int32_t>(v < 0 || v > std::numeric_limits<int32_t>::max() ? -1 : v); // -1: unknown
+        };
+        return kk::kiviWorkspaceSizeForProfile(s, lo(kIN_Q, 0), lo(kIN_SLOT_IDS, 0), lo(kIN_BLOCK_TABLE, 1));
     });
 }
 
@@ -398,6 +418,20 @@ int32_t KiviAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTe
         {
             return fail(err);
         }
+        // The cache buffers are updated in place: each output must be its input (TensorRT with
+        // PreviewFeature::kALIASED_PLUGIN_IO_10_03, the runner binding present.* to past.*). Anything else is refused,
+        // never served by copying every cache pool each step.
+        for (int32_t b = 0; b < kNUM_BUFFERS; ++b)
+        {
+            if (outputs[kOUT_BUFFERS + b] != inputs[kIN_BUFFERS + b])
+            {
+                return fail(std::string("KiviAttention enqueue: output ") + inputName(kIN_BUFFERS + b) + " ("
+                    + pointerString(outputs[kOUT_BUFFERS + b]) + ") is not its input's buffer ("
+                    + pointerString(inputs[kIN_BUFFERS + b]) + "); the cache is updated in place and never copied: "
+                    + "build the engine with PreviewFeature::kALIASED_PLUGIN_IO_10_03 and bind every cache output "
+                    + "to the address of the input ICudaEngine::getAliasedInputTensor names");
+            }
+        }
         s.q = inputs[kIN_Q];
         s.k = inputs[kIN_K];
         s.v = inputs[kIN_V];
@@ -410,9 +444,10 @@ int32_t KiviAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTe
             &s.kWindow, &s.vWindow};
         for (int32_t b = 0; b < kNUM_BUFFERS; ++b)
         {
-            *buffers[b] = outputs[kOUT_BUFFERS + b]; // the kernels update the output (= aliased input) buffers
+            *buffers[b] = outputs[kOUT_BUFFERS + b];
         }
-        s.errorFlag = nullptr; // no persistent device state to report into: bad lengths skip their sequence
+        // The kernels OR KiviErrorBits into status (cleared here, on the stream: no host synchronization).
+        s.errorFlag = static_cast<int32_t*>(outputs[kOUT_STATUS]);
         s.workspace = workspace;
         s.workspaceSize = kk::kiviWorkspaceSize(s);
         char msg[512];
@@ -420,25 +455,17 @@ int32_t KiviAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTe
         {
             return fail(std::string("KiviAttention enqueue: ") + msg);
         }
-        // Without aliasing (PreviewFeature::kALIASED_PLUGIN_IO_10_03 off) TensorRT gives separate output
-        // buffers: start them from the input state so the step still is state(s) -> state(e).
-        for (int32_t b = 0; b < kNUM_BUFFERS; ++b)
+        if (s.errorFlag == nullptr)
         {
-            void* dst = outputs[kOUT_BUFFERS + b];
-            void const* src = inputs[kIN_BUFFERS + b];
-            if (dst != src)
-            {
-                size_t const bytes = static_cast<size_t>(volume(dims[kIN_BUFFERS + b]))
-                    * static_cast<size_t>(dataTypeSize(types[kIN_BUFFERS + b]));
-                cudaError_t const e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
-                if (e != cudaSuccess)
-                {
-                    return fail(std::string("KiviAttention enqueue: copying ") + inputName(kIN_BUFFERS + b)
-                        + " to its output failed: " + cudaGetErrorString(e));
-                }
-            }
+            return fail("KiviAttention enqueue: the status output is a null pointer");
         }
-        cudaError_t const e = kk::invokeKiviStep(s, stream);
+        cudaError_t e = cudaMemsetAsync(s.errorFlag, 0, sizeof(int32_t), stream);
+        if (e != cudaSuccess)
+        {
+            return fail(std::string("KiviAttention enqueue: clearing the status output failed: ")
+                + cudaGetErrorString(e));
+        }
+        e = kk::invokeKiviStep(s, stream);
         if (e != cudaSuccess)
         {
             std::string const detail = kk::kiviGetLastErrorMessage();

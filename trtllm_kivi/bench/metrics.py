@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 PERCENTILE_KEYS = ("minimum", "maximum", "average", "p50", "p90", "p95", "p99")
 

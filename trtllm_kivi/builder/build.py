@@ -22,7 +22,7 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from .. import __version__
 from ..format import FORMAT_VERSION, KiviConfig

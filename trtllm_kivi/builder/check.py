@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import onnx
 import torch

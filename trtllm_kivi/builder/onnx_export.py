@@ -2,7 +2,7 @@
 
 Built with onnx.helper from the model's own tensors rather than torch.onnx.export: the graph is small and regular
 (per token ops on [tokens, dim] rows + one custom node per layer), we control every dtype and Cast (TensorRT 11
-networks are strongly typed), the custom node needs 15 inputs / 9 outputs with cache aliasing that a tracer would
+networks are strongly typed), the custom node needs 15 inputs / 10 outputs with cache aliasing that a tracer would
 have to be taught through a custom symbolic, and the result does not depend on the torch exporter of the day.
 
 One graph run is one step of a ragged batch (DESIGN.md): the tokens of B sequences concatenated.
@@ -11,7 +11,8 @@ One graph run is one step of a ragged batch (DESIGN.md): the tokens of B sequenc
              block_table [batch, max_blocks] int32, logit_rows [rows] int32 (rows of the step whose logits are
              wanted: each chunk's last token, or all of them), past.{layer}.{buffer} (format.BUFFER_NAMES)
     outputs  logits [rows, vocab] float32, present.{layer}.{buffer} (same shapes/dtypes as past.*; a runner binds
-             each present.* to its past.* buffer: the op updates the cache in place in TensorRT)
+             each present.* to its past.* buffer: the op updates the cache in place in TensorRT),
+             status.{layer} [1] int32 (op.STATUS_OUTPUT: the kernels' error bits of the step; 0 = all ran)
 
 Every floating op runs in the activation dtype except RMSNorm's statistics (fp32, like the torch model), the RoPE
 tables (fp32, cast once per step) and the logits (cast to fp32). The node's attributes are op.plugin_fields +
@@ -34,7 +35,7 @@ from onnx import TensorProto, helper
 
 from ..format import BUFFER_NAMES, KiviConfig, buffer_dtypes, buffer_shapes
 from ..op import (DOMAIN, FIELD_NAMES, GRAPH_DTYPES, LOGITS, OPSET, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION,
-                  STEP_INPUTS, ExportSpec, GraphInfo, cache_io_names, plugin_fields)
+                  STATUS_OUTPUT, STEP_INPUTS, ExportSpec, GraphInfo, cache_io_names, plugin_fields, status_name)
 from ..reference.rotation import hadamard
 
 SUPPORTED_DTYPES = GRAPH_DTYPES
@@ -54,7 +55,8 @@ def kivi_attention_schema() -> onnx.defs.OpSchema:
     attrs += [S.Attribute("plugin_version", S.AttrType.STRING, "TensorRT plugin version"),
               S.Attribute("plugin_namespace", S.AttrType.STRING, "TensorRT plugin namespace")]
     return S(PLUGIN_NAME, DOMAIN, 1, doc="KIVI attention over a quantized KV cache (trtllm_kivi.reference)",
-             inputs=inputs + bufs, outputs=[S.FormalParameter("out", "T")] + bufs,
+             inputs=inputs + bufs,
+             outputs=[S.FormalParameter("out", "T")] + bufs + [S.FormalParameter(STATUS_OUTPUT, "I")],
              type_constraints=[("T", fl, "activations"), ("S", fl, "scale/zero"), ("I", [i32], "int32")],
              attributes=attrs)
 
@@ -199,8 +201,9 @@ def export_llama(model, cfg: KiviConfig, spec: ExportSpec) -> onnx.ModelProto:
         fields = plugin_fields(cfg, h, hkv, d, layer=i)  # the one mapping config + geometry -> node attributes
         attn_name = f"attention_{i}"
         attn_out = f"{attn_name}.out"
+        outputs.append(helper.make_tensor_value_info(status_name(i), i32, [1]))
         g.op(PLUGIN_NAME, [q, k, v, "slot_ids", "past_len", "chunk_len", "block_table", *past],
-             name=attn_name, outputs=[attn_out, *present], domain=DOMAIN,
+             name=attn_name, outputs=[attn_out, *present, status_name(i)], domain=DOMAIN,
              plugin_version=PLUGIN_VERSION, plugin_namespace=PLUGIN_NAMESPACE, **fields)
         # The custom node's output shape, declared so shape inference continues past it.
         g.value_info.append(helper.make_tensor_value_info(attn_out, g.act, ["num_tokens", h, d]))
@@ -233,3 +236,8 @@ def save_model(m: onnx.ModelProto, path: str, data_name: str | None = None) -> N
     onnx.save_model(m, path, save_as_external_data=True, all_tensors_to_one_file=True, location=data_name,
                     size_threshold=1024)  # small constants (axes, shapes) stay inline for shape inference
     onnx.load_external_data_for_model(m, os.path.dirname(os.path.abspath(path)))
+
+
+# ExportSpec, cache_io_names and STEP_INPUTS moved to trtllm_kivi.op; re-exported here for one release.
+__all__ = ["ExportSpec", "GraphInfo", "STEP_INPUTS", "SUPPORTED_DTYPES", "ONNX_DTYPES", "cache_io_names",
+           "export_llama", "graph_info", "kivi_attention_schema", "register_schema", "save_model"]

@@ -33,7 +33,8 @@ def profile_shapes(spec: ExportSpec, cfg: KiviConfig) -> dict[str, tuple[tuple[i
     opt = a full decode step (one token per sequence), the shape a serving loop runs most."""
     b, t, mb = spec.max_batch_size, spec.max_num_tokens, spec.max_blocks_per_seq(cfg)
     tokens, batch = (1, b, t), (1, b, b)
-    shapes = {name: tuple((n,) for n in tokens) for name in ("input_ids", "positions", "logit_rows")}
+    shapes: dict[str, tuple[tuple[int, ...], ...]] = {
+        name: tuple((n,) for n in tokens) for name in ("input_ids", "positions", "logit_rows")}
     shapes |= {name: tuple((n,) for n in batch) for name in ("slot_ids", "past_len", "chunk_len")}
     shapes["block_table"] = tuple((n, mb) for n in batch)
     return shapes

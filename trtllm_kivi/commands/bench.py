@@ -84,10 +84,10 @@ def _tokenizer(model: str | None, engine: str | None):
         from ..runtime.build_folder import BuildFolder
 
         return BuildFolder.open(engine).tokenizer()
-    from ..models import Tokenizer, resolve_model
+    from ..models import DEFAULT_MODEL, Tokenizer, resolve_model
     from ..models.loaders import gguf_tokenizer
 
-    path = resolve_model(model)
+    path = resolve_model(model or DEFAULT_MODEL)
     return gguf_tokenizer(path) if path.is_file() else Tokenizer.from_hf_folder(path)
 
 
@@ -178,8 +178,8 @@ def _bench(args: argparse.Namespace) -> int:
                                getattr(args, "streaming", True))
             results[i].append((res, time.perf_counter() - t))
             print(format_statistics(res.statistics))
-    runs = []
-    for (name, desc, runner), reps in zip(runners, results):
+    runs: list[dict] = []
+    for (name, desc, runner), reps in zip(runners, results, strict=True):
         # the repeat with the median request throughput stands for the spec; every repeat's headline is kept
         order = sorted(range(len(reps)), key=lambda j: reps[j][0].statistics["performance"]
                        ["request_throughput_req_s"])

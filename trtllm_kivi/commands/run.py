@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 from .. import format as fmt
-from ..models import load_model
+from ..models import LlamaModel, ModelConfig, Tokenizer, load_model
 from ..runtime.base import Runner
 from ..runtime.generate import Generation, SamplingParams, generate
 from ..runtime.kvspec import KVSpec
@@ -53,11 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class Loaded:
     """What a run needs: the tokenizer, the model config, the KV spec and a runner factory."""
 
-    tok: object
-    cfg: object  # models.ModelConfig
+    tok: Tokenizer
+    cfg: ModelConfig
     kv: KVSpec
     dtype: str
-    model: object | None  # the torch model (None for a build folder)
+    model: LlamaModel | None  # the torch model (None for a build folder)
     load_s: float
 
 
@@ -93,6 +93,7 @@ def make_runner(args: argparse.Namespace, loaded: Loaded, max_slots: int, max_se
     from ..runtime.torch_runner import TorchRunner
 
     model = loaded.model
+    assert model is not None  # loaded without --engine
     cache = loaded.kv.make_cache(model.cfg.geometry, max_slots, max_seq_len, model.dtype, args.device,
                                  backend=args.attention_backend)
     return TorchRunner(model, cache)
@@ -125,14 +126,17 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(args.prompt[0])
     first: list[float] = []
 
+    def on_token(i: int, token: int) -> None:
+        if not first:
+            first.append(time.perf_counter())
+
     def on_text(i: int, text: str) -> None:
         if stream:
             sys.stdout.write(text)
             sys.stdout.flush()
 
     t1 = time.perf_counter()
-    results = generate(runner, prompts, params, tok, lambda i, t: first or first.append(time.perf_counter()),
-                       args.prefill_chunk, on_text)
+    results = generate(runner, prompts, params, tok, on_token, args.prefill_chunk, on_text)
     t2 = time.perf_counter()
     timings = _timings(prompts, results, t1, first[0] if first else t2, t2, loaded.load_s)
     if args.json:

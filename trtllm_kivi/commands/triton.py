@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
     try:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        server.proc.wait()
+        if server.proc is not None:
+            server.proc.wait()
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:

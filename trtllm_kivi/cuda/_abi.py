@@ -12,8 +12,7 @@ import os
 from pathlib import Path
 
 from ..format import DTYPE_NAMES
-from ..op import BUILD_DIR as DEFAULT_BUILD_DIR
-from ..op import REPO_ROOT, find_library as _find
+from ..op import find_library as _find
 from ..op import library_candidates as _candidates
 
 LIB_NAME = "libtrtllm_kivi_kernels.so"
@@ -67,6 +66,10 @@ class KiviLibrary:
         lib.kiviCWorkspaceSize.argtypes = [ctypes.c_void_p]
         lib.kiviCWorkspaceSize.restype = ctypes.c_size_t
         lib.kiviCLastErrorMessage.restype = ctypes.c_char_p
+        lib.kiviCWorkspaceSizeForProfile.argtypes = [ctypes.c_void_p] + [ctypes.c_int32] * 3
+        lib.kiviCWorkspaceSizeForProfile.restype = ctypes.c_size_t
+        lib.kiviCCheckArch.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+        lib.kiviCCheckArch.restype = ctypes.c_int32
         self.has_launchers = hasattr(lib, "kiviCStep")
         if self.has_launchers:
             for name in ("kiviCStep", "kiviCAttention", "kiviCAppend"):
@@ -96,6 +99,17 @@ class KiviLibrary:
 
     def workspace_size(self, params: KiviStepParams) -> int:
         return int(self.lib.kiviCWorkspaceSize(ctypes.byref(params)))
+
+    def workspace_size_for_profile(self, max_params: KiviStepParams, min_tokens: int, min_batch: int,
+                                   min_blocks_per_seq: int) -> int:
+        """Bytes serving every step of a TensorRT profile whose max is max_params (kiviWorkspaceSizeForProfile)."""
+        return int(self.lib.kiviCWorkspaceSizeForProfile(ctypes.byref(max_params), min_tokens, min_batch,
+                                                         min_blocks_per_seq))
+
+    def check_arch(self, params: KiviStepParams, sm_version: int) -> str:
+        """'' when params.attentionImpl runs on compute capability sm_version (e.g. 75, 80, 90), else the message."""
+        rc = self.lib.kiviCCheckArch(ctypes.byref(params), sm_version)
+        return "" if rc == 0 else self.last_error()
 
     def launch(self, params: KiviStepParams, stream: int, phase: int = PHASE_STEP) -> int:
         if not self.has_launchers:

@@ -74,9 +74,8 @@ def launch_plan(cfg: KiviConfig, num_heads: int, num_kv_heads: int, head_dim: in
     num_splits = _ceil_div(max(msl, 1), split_len)
     seq_info = _round256(batch * SEQ_INFO_INTS * 4)
     partial = 0
-    if max_splits > 1:  # sized for a bound of T x num_splits that grows with T (see kiviParams.cpp)
-        by_ctas = num_tokens + _ceil_div(CTAS_PER_SM * sms * tq, num_kv_heads)
-        rows = min(by_ctas, num_tokens * max_splits) * num_heads
+    if num_splits > 1:  # this step's partials: [T, H, num_splits, D] then [T, H, num_splits, 2] fp32
+        rows = num_tokens * num_heads * num_splits
         partial = _round256(rows * head_dim * 4) + _round256(rows * 2 * 4)
     ws = 0 if batch <= 0 or num_tokens <= 0 else seq_info + partial
     return LaunchPlan(w, msl, mcl, grp, tq, num_tiles, split_len, num_splits, _ceil_div(mcl, cfg.group_size),

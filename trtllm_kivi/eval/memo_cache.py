@@ -14,7 +14,7 @@ class MemoKiviCache(KiviCache):
         super().__init__(*args, **kwargs)
 
     @classmethod
-    def like(cls, cache: KiviCache) -> "MemoKiviCache":
+    def like(cls, cache: KiviCache) -> MemoKiviCache:
         """A fresh MemoKiviCache with the same configuration, geometry and capacity as `cache`."""
         return cls(cache.cfg, cache.geom, cache.max_slots, cache.max_seq_len, cache.dtype, cache.device,
                    cache.num_blocks)

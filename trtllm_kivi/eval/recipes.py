@@ -21,7 +21,7 @@ import random
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from ..format import Geometry, KiviConfig, kivi_total_bytes
 from ..models.llama import LlamaModel
@@ -164,7 +164,8 @@ def recipe_table(specs: dict[str, KVSpec], segs: dict[str, list[dict]], geom: Ge
 
     entries = {}
     for name, spec in specs.items():
-        both = [i for i, (r, f) in enumerate(zip(segs[name], segs[reference])) if r is not None and f is not None]
+        both = [i for i, (r, f) in enumerate(zip(segs[name], segs[reference], strict=True))
+                if r is not None and f is not None]
         if not both:
             continue
         rows = [segs[name][i] for i in both]  # paired with the reference on the same segments
@@ -181,10 +182,11 @@ def recipe_table(specs: dict[str, KVSpec], segs: dict[str, list[dict]], geom: Ge
              "residual_length": c.residual_length if c else None,
              "ppl": ppl(nll, every),
              "ppl_delta_pct": 100 * (ppl(nll, every) / ppl(ref_nll, every) - 1),
-             "ppl_delta_ci95": bootstrap_ci(lambda idx: 100 * (ppl(nll, idx) / ppl(ref_nll, idx) - 1), n, resamples)
-             if n > 1 else None,
+             "ppl_delta_ci95": bootstrap_ci(lambda idx, a=nll, b=ref_nll: 100 * (ppl(a, idx) / ppl(b, idx) - 1),
+                                            n, resamples) if n > 1 else None,
              "kl_mean": sum(kl) / n,
-             "kl_ci95": bootstrap_ci(lambda idx: sum(kl[i] for i in idx) / n, n, resamples) if n > 1 else None,
+             "kl_ci95": bootstrap_ci(lambda idx, a=kl: sum(a[i] for i in idx) / len(idx), n, resamples)
+             if n > 1 else None,
              "top1": sum(r["top1"] for r in rows) / n,
              "bits_per_element": {str(t): round(bits_per_element(c, geom, t), 4) for t in CONTEXTS},
              "passkey_pass_rate": (passkey or {}).get("summary", {}).get(name, {}).get("pass_rate"),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -77,7 +77,7 @@ class LayerErrors:
     def choose(self, margin: float = 0.05) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(k_rotation, v_rotation) per layer: hadamard where it lowers the error by more than `margin`."""
         pick = lambda rot, plain: tuple("hadamard" if r < (1 - margin) * p else "none"  # noqa: E731
-                                        for r, p in zip(rot, plain))
+                                        for r, p in zip(rot, plain, strict=True))
         return pick(self.k_rot, self.k_plain), pick(self.v_rot, self.v_plain)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from ..models.llama import LlamaModel
 from ..runtime.base import Runner

@@ -4,7 +4,7 @@ step of a ragged batch. Generation, evaluation, the scheduler, bench and Triton 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -27,7 +27,7 @@ class BuildFolder:
     info: GraphInfo
 
     @classmethod
-    def open(cls, path: str | Path) -> "BuildFolder":
+    def open(cls, path: str | Path) -> BuildFolder:
         path = Path(path)
         conf_path = path / BUILD_CONFIG
         if not conf_path.is_file():

@@ -7,7 +7,7 @@ end, a tail that could still grow into a stop string (it would be cut then)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class Detokenizer:

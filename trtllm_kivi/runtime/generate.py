@@ -10,7 +10,7 @@ is in the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from .base import Runner
 from .sampling import SamplingParams, sample

@@ -26,7 +26,8 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -138,7 +139,7 @@ def parse_kv(spec: str, k_bits: int | None = None, v_bits: int | None = None, gr
         raise ValueError(f"--kv {spec!r} is not a KV cache spec; allowed: fp16, bf16, fp32, kivi<b>, naive<b>, "
                          f"k<b>v<b> with b in {SUPPORTED_BITS}, optionally followed by +sink<S>, +had[:k|:v|:kv]"
                          f"[@layers], +g<G>, +r<R>")
-    base_cfg: dict = dict(k_bits=kb, v_bits=vb, key_grouping=grouping)
+    base_cfg: dict[str, Any] = dict(k_bits=kb, v_bits=vb, key_grouping=grouping)
     rot: dict[str, tuple[bool, set[int]]] = {"k": (False, set()), "v": (False, set())}
     seen: set[str] = set()
     for opt in opts:

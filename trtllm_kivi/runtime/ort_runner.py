@@ -7,7 +7,7 @@ graph's node attributes."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import onnx
@@ -34,6 +34,7 @@ class OrtRunner(CacheRunner):
     """Runner over an exported graph (path or ModelProto) with onnxruntime on the CPU (fp32 activations)."""
 
     name = "onnxruntime"
+    cache: KiviCache
 
     def __init__(self, graph: str | Path | onnx.ModelProto, info: GraphInfo, threads: int | None = None) -> None:
         m = graph if isinstance(graph, onnx.ModelProto) else onnx.load(str(graph))

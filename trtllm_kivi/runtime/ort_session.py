@@ -41,14 +41,14 @@ def register_ops() -> None:
     attrs |= {"plugin_version": PyCustomOpDef.dt_string, "plugin_namespace": PyCustomOpDef.dt_string}
     i32, f32 = PyCustomOpDef.dt_int32, PyCustomOpDef.dt_float
     bufs = [i32, f32, f32, i32, f32, f32, f32, f32]  # BUFFER_NAMES order
-    onnx_op(op_type=PLUGIN_NAME, inputs=[f32, f32, f32, i32, i32, i32, i32] + bufs, outputs=[f32] + bufs,
+    onnx_op(op_type=PLUGIN_NAME, inputs=[f32, f32, f32, i32, i32, i32, i32] + bufs, outputs=[f32] + bufs + [i32],
             attrs=attrs)(_kivi_attention_op)
 
 
 def _kivi_attention_op(q, k, v, slot_ids, past_len, chunk_len, block_table, *buffers, **attrs):
-    """The reference op on numpy arrays: returns (out, *updated buffers). The buffers onnxruntime passes are copied
-    once (they are its inputs) and updated with the in-place form. Dtype conversions in numpy and one torch thread:
-    the op's tensors are small, and torch's thread pool contends with onnxruntime's."""
+    """The reference op on numpy arrays: returns (out, *updated buffers, status [1] int32). The buffers onnxruntime
+    passes are copied once (they are its inputs) and updated with the in-place form. Dtype conversions in numpy and
+    one torch thread: the op's tensors are small, and torch's thread pool contends with onnxruntime's."""
     cfg, *_ = config_from_fields({n: int(attrs[n]) for n in FIELD_NAMES})
     sdt = np.float16 if cfg.scale_dtype == "float16" else np.float32
     t = [torch.from_numpy(np.asarray(a)) for a in (q, k, v, slot_ids, past_len, chunk_len, block_table)]
@@ -60,8 +60,9 @@ def _kivi_attention_op(q, k, v, slot_ids, past_len, chunk_len, block_table, *buf
         out = kivi_attention_(*t, bufs, cfg)
     finally:
         torch.set_num_threads(threads)
+    # status [1] int32 = 0: the reference raises on a bad step (check_step) instead of skipping a sequence.
     return (out.numpy(), *(b.numpy().astype(np.float32) if n in _SCALE_BUFFERS else b.numpy()
-                           for n, b in zip(BUFFER_NAMES, bufs)))
+                           for n, b in zip(BUFFER_NAMES, bufs)), np.zeros(1, np.int32))
 
 
 def ort_model(m: onnx.ModelProto) -> onnx.ModelProto:

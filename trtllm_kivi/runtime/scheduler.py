@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -70,7 +70,7 @@ class Request:
     _generator: torch.Generator | None = None
     _events: queue.Queue = field(default_factory=queue.Queue)  # token ids, then None when finished
     _done: threading.Event = field(default_factory=threading.Event)
-    _scheduler: "Scheduler | None" = None
+    _scheduler: Scheduler | None = None
 
     @property
     def finished(self) -> bool:
@@ -87,7 +87,7 @@ class Request:
         if self._scheduler is not None:
             self._scheduler._wake()
 
-    def wait(self, timeout: float | None = None) -> "Request":
+    def wait(self, timeout: float | None = None) -> Request:
         """Block until finished (with a background scheduler); drives the steps itself otherwise."""
         if self._scheduler is not None and not self._scheduler.running:
             while not self.finished:
@@ -333,7 +333,7 @@ class Scheduler:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def start(self) -> "Scheduler":
+    def start(self) -> Scheduler:
         """Run steps in a background thread whenever there is work."""
         if self.running:
             return self

@@ -5,7 +5,7 @@ per step for the whole batch and only attention goes per sequence (inside the ca
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -29,7 +29,7 @@ class TorchRunner(CacheRunner):
         self.max_slots, self.max_seq_len = cache.max_slots, cache.max_seq_len
 
     @classmethod
-    def create(cls, model: LlamaModel, kv, max_slots: int, max_seq_len: int, **cache_kwargs) -> "TorchRunner":
+    def create(cls, model: LlamaModel, kv, max_slots: int, max_seq_len: int, **cache_kwargs) -> TorchRunner:
         """Runner with a fresh cache from a KV spec (runtime.kvspec.KVSpec or a string such as "kivi2");
         cache_kwargs go to KVSpec.make_cache (num_blocks, backend)."""
         from .kvspec import parse_kv

@@ -1,7 +1,8 @@
 """The TensorRT runner: a build folder's engine on a GPU. The runner owns the cache: a KiviCache allocated on the GPU
 with torch (the same slot/block bookkeeping as the other runners), whose buffers are bound to the engine's past.*
-inputs and, aliased, to its present.* outputs, so the KiviAttention plugin updates them in place. An engine that
-does not report an output as aliased to its input gets a second set of buffers instead, swapped after each step.
+inputs and, aliased, to its present.* outputs, so the KiviAttention plugin updates them in place. An engine whose
+cache outputs are not aliased to their inputs is refused (the plugin never copies a cache pool). Each layer's
+status.* output (the kernels' error bits) is checked after every step.
 
 Written against TensorRT 11's Python API (ICudaEngine / IExecutionContext with named I/O tensors and
 execute_async_v3); not run on any machine of this project (no TensorRT here): the tests are marked `trt`.
@@ -10,13 +11,13 @@ execute_async_v3); not run on any machine of this project (no TensorRT here): th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 
 from ..cache import KiviCache
-from ..op import LOGITS, cache_io_names
-from ..reference.attention import KiviBuffers
+from ..op import LOGITS, cache_io_names, describe_status, status_name
 from ..reference.quant import torch_dtype
 from .base import CacheRunner
 from .build_folder import BuildFolder
@@ -26,6 +27,7 @@ class TrtRunner(CacheRunner):
     """Runner over DIR/model.engine (built by `trtllm-kivi build` with TensorRT present)."""
 
     name = "tensorrt"
+    cache: KiviCache
 
     def __init__(self, build: str | Path | BuildFolder, device: str = "cuda", plugin_lib: str | None = None) -> None:
         import tensorrt as trt
@@ -56,18 +58,21 @@ class TrtRunner(CacheRunner):
 
         self.cache = KiviCache(info.kivi, info.geometry, self.max_slots, self.max_seq_len,
                                dtype=torch_dtype(info.spec.dtype), device=self.device, num_blocks=info.num_blocks)
-        # Aliased outputs share their input's buffer; others get a second buffer set (ping-pong).
+        # The plugin updates the cache in place: every present.* must be aliased to its past.* (the plugin refuses
+        # separate buffers rather than copying every pool each step).
         get_alias = getattr(self.engine, "get_aliased_input_tensor", lambda name: None)
-        self._aliased = all(get_alias(pr) == pa for layer in range(info.geometry.num_layers)
-                            for pa, pr in zip(*cache_io_names(layer)))
-        self._spare = None if self._aliased else [
-            KiviBuffers(*(torch.empty_like(t) for t in bufs)) for bufs in self.cache.layers]
+        unaliased = [pr for layer in range(info.geometry.num_layers) for pa, pr in zip(*cache_io_names(layer))
+                     if get_alias(pr) != pa]
+        if unaliased:
+            raise ValueError(f"{folder.path}: the engine's cache outputs are not aliased to their inputs "
+                             f"({unaliased[0]} and {len(unaliased) - 1} more); rebuild it with the builder's "
+                             f"PreviewFeature.ALIASED_PLUGIN_IO_10_03 (trtllm-kivi build sets it)")
+        self._status = torch.zeros((info.geometry.num_layers, 1), dtype=torch.int32, device=self.device)
 
 
     @property
     def kv_nbytes(self) -> int:
-        spare = 0 if self._spare is None else sum(t.numel() * t.element_size() for b in self._spare for t in b)
-        return self.cache.nbytes + spare
+        return self.cache.nbytes
 
     def _bind(self, name: str, t: torch.Tensor, input_shape: bool = False) -> None:
         if input_shape and not self.context.set_input_shape(name, tuple(t.shape)):
@@ -82,9 +87,9 @@ class TrtRunner(CacheRunner):
         self.check_tokens(slots, tokens)
         chunk = [len(t) for t in tokens]
         st = self.cache.begin_step(list(slots), chunk)
-        i32 = dict(dtype=torch.int32, device=self.device)
+        i32: dict[str, Any] = dict(dtype=torch.int32, device=self.device)
         ids = torch.tensor([t for seq in tokens for t in seq], **i32)  # [T]
-        positions = torch.cat([torch.arange(p, p + c, **i32) for p, c in zip(st.past, chunk)])  # [T]
+        positions = torch.cat([torch.arange(p, p + c, **i32) for p, c in zip(st.past, chunk, strict=True)])  # [T]
         rows = (torch.arange(len(ids), **i32) if all_logits
                 else torch.tensor(chunk, **i32).cumsum(0, dtype=torch.int32) - 1)  # [B] or [T]
         inputs = {"input_ids": ids, "positions": positions, "slot_ids": st.slot_ids, "past_len": st.past_len,
@@ -93,17 +98,27 @@ class TrtRunner(CacheRunner):
             self._bind(name, t, input_shape=True)
         for layer, bufs in enumerate(self.cache.layers):
             past, present = cache_io_names(layer)
-            outs = bufs if self._spare is None else self._spare[layer]
-            for pa, pr, t, o in zip(past, present, bufs, outs):
+            for pa, pr, t in zip(past, present, bufs):
                 self._bind(pa, t, input_shape=True)
-                self._bind(pr, o)
+                self._bind(pr, t)  # aliased: updated in place
+            self._bind(status_name(layer), self._status[layer])
         logits = torch.empty((len(rows), self.vocab_size), dtype=torch.float32, device=self.device)
         self._bind(LOGITS, logits)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # inputs were made on the current stream
         if not self.context.execute_async_v3(self.stream.cuda_stream):
             raise RuntimeError("TensorRT execute_async_v3 failed (see the log above)")
         self.stream.synchronize()
-        if self._spare is not None:  # the outputs are the new state
-            self.cache.layers, self._spare = self._spare, self.cache.layers
+        self._check_status(st)
         self.cache.end_step(st)
         return logits
+
+    def _check_status(self, st) -> None:
+        """Raise if any layer's KiviAttention skipped a sequence (its status bits are nonzero). The runner checked
+        capacity before the step, so this is a bug: the step's sequences must be freed (the skipped ones were not
+        appended, the others were)."""
+        status = self._status[:, 0].tolist()  # [layers]; the stream is synchronized
+        bad = [(layer, bits) for layer, bits in enumerate(status) if bits]
+        if bad:
+            layer, bits = bad[0]
+            raise RuntimeError(f"KiviAttention skipped sequences of slots {st.slots} in {len(bad)} layer(s) (first: "
+                               f"layer {layer}, status {bits:#x}: {describe_status(bits)}); free these sequences")

@@ -51,7 +51,7 @@ class ServingConfig:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
 
     @classmethod
-    def from_json(cls, text: str) -> "ServingConfig":
+    def from_json(cls, text: str) -> ServingConfig:
         d = json.loads(text)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
@@ -74,6 +74,7 @@ def load_runner(cfg: ServingConfig):
     from ..runtime.torch_runner import TorchRunner
 
     spec = parse_kv(cfg.kv, **cfg.kv_options)  # validate before the (slow) model load
+    assert cfg.model is not None  # __post_init__: exactly one of model / engine
     model, tok, mcfg = load_model(cfg.model, cfg.dtype, cfg.device)
     if cfg.max_seq_len > mcfg.max_seq_len:
         raise ValueError(f"max_seq_len={cfg.max_seq_len} exceeds the model's context of {mcfg.max_seq_len} tokens")
@@ -86,6 +87,7 @@ def _load_engine(cfg: ServingConfig):
     from ..runtime.build_folder import BuildFolder
     from ..runtime.select import load_runner as load_build
 
+    assert cfg.engine is not None
     runner, _why = load_build(cfg.engine, threads=cfg.num_threads)
     return runner, BuildFolder.open(cfg.engine).tokenizer()
 

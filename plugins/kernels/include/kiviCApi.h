@@ -23,6 +23,11 @@ int32_t kiviCValidate(void const* params, int32_t phase);
 //! numSplits, flushGroupsPerSeq, seqInfoBytes, partialBytes, workspaceSize] into out[12].
 int32_t kiviCLaunchPlan(void const* params, int64_t* out);
 size_t kiviCWorkspaceSize(void const* params);
+//! Workspace bytes serving every step of a profile (kiviWorkspaceSizeForProfile): maxParams at the profile max.
+size_t kiviCWorkspaceSizeForProfile(
+    void const* maxParams, int32_t minTokens, int32_t minBatch, int32_t minBlocksPerSeq);
+//! 0 when params->attentionImpl runs on compute capability smVersion (major * 10 + minor); else -1 + message.
+int32_t kiviCCheckArch(void const* params, int32_t smVersion);
 char const* kiviCLastErrorMessage(void);
 
 //! Launchers (need the CUDA library, not the host-only one).

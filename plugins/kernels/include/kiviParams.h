@@ -113,7 +113,8 @@ struct KiviLaunchPlan
                             //!< splitLen(e) = max(kMIN_SPLIT_LEN, roundUp(ceil(e / numSplits), kKEY_TILE))
     int32_t flushGroupsPerSeq; //!< flush grid.y: an upper bound of the groups one sequence quantizes in a step
     size_t seqInfoBytes;    //!< workspace part 1: per-sequence info
-    size_t partialBytes;    //!< workspace part 2: split partials (m, l, acc[D]) when numSplits > 1
+    size_t partialBytes;    //!< workspace part 2: split partials (m, l, acc[D]) of this step when numSplits > 1
+                            //!< (numTokens x numHeads x numSplits rows); 0 when numSplits == 1
 };
 
 constexpr int32_t kKEY_TILE = 32;      //!< keys per attention tile (a G-group never straddles one: G % 32 == 0)
@@ -137,8 +138,25 @@ KiviLaunchPlan kiviLaunchPlan(KiviStepParams const& p);
 char const* kiviGetLastErrorMessage();
 void kiviSetLastErrorMessage(char const* msg);
 
-//! Workspace bytes a step with these host fields needs (pointers are ignored).
+//! Workspace bytes a step with these host fields needs (pointers are ignored). Not monotonic in numTokens: a
+//! decode step splits its keys (partials) where a long prefill step does not.
 size_t kiviWorkspaceSize(KiviStepParams const& p);
+
+//! Workspace bytes that serve every step of a TensorRT optimization profile: at least kiviWorkspaceSize of each step
+//! whose numTokens is in [minTokens, maxStep.numTokens], batch in [minBatch, maxStep.batch] and maxBlocksPerSeq in
+//! [minBlocksPerSeq, maxStep.maxBlocksPerSeq], the other host fields as in maxStep. Computed from the split plan of
+//! each token count (the partials of the step with the most rows x splits, not of the largest step), so a
+//! long-prefill profile is not charged for partials no step uses. Exact for a fixed block-table width.
+size_t kiviWorkspaceSizeForProfile(
+    KiviStepParams const& maxStep, int32_t minTokens, int32_t minBatch, int32_t minBlocksPerSeq);
+
+//! Lowest compute capability (major * 10 + minor) of each attention implementation; the WMMA kernel's body is
+//! empty below sm_80.
+constexpr int32_t kMIN_SM_TENSOR_CORE = 80;
+
+//! 0 when the attention implementation p.attentionImpl runs on a device of compute capability smVersion
+//! (major * 10 + minor), else -1 with a message naming both (msg always NUL-terminated).
+int32_t kiviCheckArch(KiviStepParams const& p, int32_t smVersion, char* msg, size_t msgLen);
 
 } // namespace kernels
 } // namespace trtllm_kivi

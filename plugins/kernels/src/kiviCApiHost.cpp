@@ -48,6 +48,22 @@ size_t kiviCWorkspaceSize(void const* params)
     return trtllm_kivi::kernels::kiviWorkspaceSize(*static_cast<KiviStepParams const*>(params));
 }
 
+size_t kiviCWorkspaceSizeForProfile(
+    void const* maxParams, int32_t minTokens, int32_t minBatch, int32_t minBlocksPerSeq)
+{
+    return trtllm_kivi::kernels::kiviWorkspaceSizeForProfile(
+        *static_cast<KiviStepParams const*>(maxParams), minTokens, minBatch, minBlocksPerSeq);
+}
+
+int32_t kiviCCheckArch(void const* params, int32_t smVersion)
+{
+    char msg[512];
+    int32_t const rc = trtllm_kivi::kernels::kiviCheckArch(
+        *static_cast<KiviStepParams const*>(params), smVersion, msg, sizeof(msg));
+    trtllm_kivi::kernels::kiviSetLastErrorMessage(rc == 0 ? "" : msg);
+    return rc;
+}
+
 char const* kiviCLastErrorMessage(void)
 {
     return trtllm_kivi::kernels::kiviGetLastErrorMessage();

@@ -3,6 +3,8 @@
 #include "kiviKernels.h"
 #include "kiviLaunchTemplates.cuh"
 
+#include <atomic>
+
 namespace trtllm_kivi
 {
 namespace kernels
@@ -116,6 +118,59 @@ __global__ void __launch_bounds__(128) kiviPrepareKernel(KiviStepParams p, KiviL
     }
 }
 
+//! Zero the output rows no sequence covers: [covered, numTokens) with covered = the token offset of the last
+//! sequence + its chunk length (the prepare kernel's prefix sum, clamped to numTokens). With numSplits > 1
+//! kiviCombineKernel writes those zeros; with one split no attention CTA owns those rows. Rows are whole 16-byte
+//! vectors (numHeads x headDim x 2 bytes, headDim in {64, 128}).
+__global__ void __launch_bounds__(128) kiviZeroUncoveredRowsKernel(KiviStepParams p, SeqInfo const* seqInfo)
+{
+    SeqInfo const last = seqInfo[p.batch - 1];
+    int64_t const c = max(p.chunkLen[p.batch - 1], 0);
+    int64_t const covered = min(int64_t(last.tokenOffset) + c, int64_t(p.numTokens));
+    int64_t const vecsPerRow = int64_t(p.numHeads) * p.headDim / 8;
+    uint4* const out = static_cast<uint4*>(p.out);
+    int64_t const end = int64_t(p.numTokens) * vecsPerRow;
+    for (int64_t u = covered * vecsPerRow + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < end;
+         u += int64_t(gridDim.x) * blockDim.x)
+    {
+        out[u] = make_uint4(0, 0, 0, 0);
+    }
+}
+
+//! Compute capability (major * 10 + minor) of the current device, queried once per device and cached.
+cudaError_t currentSmVersion(int32_t& sm)
+{
+    constexpr int32_t kMAX_DEVICES = 64;
+    static std::atomic<int32_t> sCache[kMAX_DEVICES]; // 0 = not queried yet
+    int32_t dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess)
+    {
+        return err;
+    }
+    if (dev >= 0 && dev < kMAX_DEVICES && (sm = sCache[dev].load(std::memory_order_relaxed)) > 0)
+    {
+        return cudaSuccess;
+    }
+    int32_t major = 0;
+    int32_t minor = 0;
+    err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (err == cudaSuccess)
+    {
+        err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    }
+    if (err != cudaSuccess)
+    {
+        return err;
+    }
+    sm = major * 10 + minor;
+    if (dev >= 0 && dev < kMAX_DEVICES)
+    {
+        sCache[dev].store(sm, std::memory_order_relaxed);
+    }
+    return cudaSuccess;
+}
+
 template <typename T, int kD>
 cudaError_t dispatchPhases(KiviStepParams const& p, KiviLaunchPlan const& plan, SeqInfo const* seqInfo,
     float* partialAcc, float* partialMl, int32_t phase, cudaStream_t stream)
@@ -148,6 +203,20 @@ cudaError_t invokePhases(KiviStepParams const& p, int32_t phase, cudaStream_t st
     {
         return cudaSuccess;
     }
+    if (phase & kPHASE_ATTENTION)
+    {
+        int32_t sm = 0;
+        cudaError_t const err = currentSmVersion(sm);
+        if (err != cudaSuccess)
+        {
+            return err;
+        }
+        if (kiviCheckArch(p, sm, msg, sizeof(msg)) != 0)
+        {
+            kiviSetLastErrorMessage(msg);
+            return cudaErrorInvalidValue;
+        }
+    }
     KiviLaunchPlan const plan = kiviLaunchPlan(p);
     char* ws = static_cast<char*>(p.workspace);
     SeqInfo* seqInfo = reinterpret_cast<SeqInfo*>(ws);
@@ -163,10 +232,22 @@ cudaError_t invokePhases(KiviStepParams const& p, int32_t phase, cudaStream_t st
             ws + plan.seqInfoBytes + (rows * p.headDim * sizeof(float) + 255) / 256 * 256);
     }
     kiviPrepareKernel<<<p.batch, 128, 0, stream>>>(p, plan, seqInfo);
-    cudaError_t const err = cudaGetLastError();
+    cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess)
     {
         return err;
+    }
+    if ((phase & kPHASE_ATTENTION) && plan.numSplits == 1)
+    {
+        int64_t const vecs = int64_t(p.numTokens) * p.numHeads * p.headDim / 8;
+        int64_t const blocks = (vecs + 127) / 128;
+        kiviZeroUncoveredRowsKernel<<<static_cast<uint32_t>(blocks < 1024 ? blocks : 1024), 128, 0, stream>>>(
+            p, seqInfo);
+        err = cudaGetLastError();
+        if (err != cudaSuccess)
+        {
+            return err;
+        }
     }
     bool const bf16 = p.actDtype == kKIVI_BFLOAT16;
     if (p.headDim == 64)

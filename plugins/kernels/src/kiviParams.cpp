@@ -71,6 +71,27 @@ int32_t checkPointer(char const* name, void const* ptr, size_t alignment, char* 
     return 0;
 }
 
+//! Bytes of the split partials for numTokens x numHeads x splits rows (acc[D], then (m, l)).
+size_t partialBytesOf(KiviStepParams const& p, int64_t splits)
+{
+    size_t const rows = size_t(p.numTokens > 0 ? p.numTokens : 0) * size_t(p.numHeads > 0 ? p.numHeads : 0)
+        * size_t(splits);
+    return roundUp256(rows * size_t(p.headDim > 0 ? p.headDim : 0) * sizeof(float))
+        + roundUp256(rows * 2 * sizeof(float));
+}
+
+//! The split count the plan aims for: ceil(kCTAS_PER_SM x SMs / (tiles x KV heads)), clamped to [1, maxSplits]
+//! (maxSplits = ceil(maxSeqLen / kMIN_SPLIT_LEN)). numSplits <= this, with equality unless rounding splitLen up to
+//! whole key tiles leaves the last split empty. plan.numTiles and plan.maxSeqLen must be set.
+int64_t targetSplits(KiviStepParams const& p, KiviLaunchPlan const& plan)
+{
+    int64_t const sms = p.numSms > 0 ? p.numSms : kDEFAULT_NUM_SMS;
+    int64_t const ctas = int64_t(plan.numTiles > 0 ? plan.numTiles : 1) * (p.numKvHeads > 0 ? p.numKvHeads : 1);
+    int64_t const splits = ceilDiv(kCTAS_PER_SM * sms, ctas);
+    int64_t const maxSplits = ceilDiv(plan.maxSeqLen > 0 ? plan.maxSeqLen : 1, kMIN_SPLIT_LEN);
+    return splits < 1 ? 1 : (splits > maxSplits ? maxSplits : splits);
+}
+
 } // namespace
 
 int32_t kiviValidate(KiviStepParams const& p, int32_t phase, char* msg, size_t msgLen)
@@ -254,26 +275,18 @@ KiviLaunchPlan kiviLaunchPlan(KiviStepParams const& p)
     plan.numTiles = static_cast<int32_t>(tiles < t ? tiles : t);
     // Split over keys so that tiles x KV heads x splits gives about kCTAS_PER_SM CTAs per SM; splits never shorter
     // than kMIN_SPLIT_LEN keys. Lengths are device values, so the split is sized for maxSeqLen (a hint when known).
-    int64_t const sms = p.numSms > 0 ? p.numSms : kDEFAULT_NUM_SMS;
-    int64_t const ctas = int64_t(plan.numTiles > 0 ? plan.numTiles : 1) * (p.numKvHeads > 0 ? p.numKvHeads : 1);
-    int64_t splits = ceilDiv(kCTAS_PER_SM * sms, ctas);
-    int64_t const maxSplits = ceilDiv(plan.maxSeqLen > 0 ? plan.maxSeqLen : 1, kMIN_SPLIT_LEN);
-    splits = splits < 1 ? 1 : (splits > maxSplits ? maxSplits : splits);
-    int64_t splitLen = ceilDiv(ceilDiv(plan.maxSeqLen > 0 ? plan.maxSeqLen : 1, splits), kKEY_TILE) * kKEY_TILE;
+    int64_t const splits = targetSplits(p, plan);
+    int64_t const msl = plan.maxSeqLen > 0 ? plan.maxSeqLen : 1;
+    int64_t const splitLen = ceilDiv(ceilDiv(msl, splits), kKEY_TILE) * kKEY_TILE;
     plan.splitLen = static_cast<int32_t>(splitLen);
-    plan.numSplits = static_cast<int32_t>(ceilDiv(plan.maxSeqLen > 0 ? plan.maxSeqLen : 1, splitLen));
+    plan.numSplits = static_cast<int32_t>(ceilDiv(msl, splitLen));
     plan.flushGroupsPerSeq = static_cast<int32_t>(ceilDiv(plan.maxChunkLen, p.groupSize > 0 ? p.groupSize : 1));
     plan.seqInfoBytes = roundUp256(size_t(p.batch) * kSEQ_INFO_INTS * sizeof(int32_t));
-    // Split partials: T x numSplits <= T + ceil(kCTAS_PER_SM * sms * tileTokens / Hkv) (as numTiles >= T /
-    // tileTokens) and <= T x maxSplits. Sizing by that bound, which never decreases when numTokens or batch grow,
-    // makes the workspace of the largest step (TensorRT's profile max) valid for every smaller one.
-    if (maxSplits > 1)
+    // Split partials of this step: [numTokens, numHeads, numSplits, D] fp32, then [.., 2] (m, l) (kiviLaunch.cu).
+    // TensorRT's workspace is sized by kiviWorkspaceSizeForProfile, which covers every step of the profile.
+    if (plan.numSplits > 1)
     {
-        int64_t const kv = p.numKvHeads > 0 ? p.numKvHeads : 1;
-        int64_t const byCtas = t + ceilDiv(kCTAS_PER_SM * sms * plan.tileTokens, kv);
-        int64_t const bySplits = t * maxSplits;
-        size_t const rows = size_t(byCtas < bySplits ? byCtas : bySplits) * size_t(p.numHeads > 0 ? p.numHeads : 0);
-        plan.partialBytes = roundUp256(rows * p.headDim * sizeof(float)) + roundUp256(rows * 2 * sizeof(float));
+        plan.partialBytes = partialBytesOf(p, plan.numSplits);
     }
     return plan;
 }
@@ -301,6 +314,55 @@ size_t kiviWorkspaceSize(KiviStepParams const& p)
     }
     KiviLaunchPlan const plan = kiviLaunchPlan(p);
     return plan.seqInfoBytes + plan.partialBytes;
+}
+
+size_t kiviWorkspaceSizeForProfile(
+    KiviStepParams const& maxStep, int32_t minTokens, int32_t minBatch, int32_t minBlocksPerSeq)
+{
+    if (maxStep.batch <= 0 || maxStep.numTokens <= 0)
+    {
+        return 0;
+    }
+    // Per-sequence info grows with batch: the largest batch. Partials: numSplits depends on the tile count, which
+    // grows with tokens and batch, so for each token count the smallest batch has the most splits. With a fixed
+    // block-table width (the exporter's) the plan's numSplits is exact; with a range of widths, the target split
+    // count at the widest bounds numSplits at every width (a narrower table only lowers maxSplits). The split count
+    // never increases with tokens: stop at the first token count without a split.
+    KiviStepParams s = maxStep;
+    s.maxSeqLen = 0;
+    s.batch = minBatch < 1 ? 1 : (minBatch > maxStep.batch ? maxStep.batch : minBatch);
+    bool const fixedWidth = minBlocksPerSeq >= maxStep.maxBlocksPerSeq;
+    size_t partial = 0;
+    for (int32_t t = minTokens < 1 ? 1 : minTokens; t <= maxStep.numTokens; ++t)
+    {
+        s.numTokens = t;
+        KiviLaunchPlan const plan = kiviLaunchPlan(s);
+        int64_t const target = targetSplits(s, plan);
+        if (target <= 1)
+        {
+            break;
+        }
+        int64_t const splits = fixedWidth ? plan.numSplits : target;
+        size_t const bytes = splits > 1 ? partialBytesOf(s, splits) : 0;
+        partial = bytes > partial ? bytes : partial;
+    }
+    return roundUp256(size_t(maxStep.batch) * kSEQ_INFO_INTS * sizeof(int32_t)) + partial;
+}
+
+int32_t kiviCheckArch(KiviStepParams const& p, int32_t smVersion, char* msg, size_t msgLen)
+{
+    if (msg != nullptr && msgLen > 0)
+    {
+        msg[0] = '\0';
+    }
+    if (p.attentionImpl == kKIVI_ATTN_TENSOR_CORE && smVersion < kMIN_SM_TENSOR_CORE)
+    {
+        return fail(msg, msgLen,
+            "attention_impl=2 (tensor_core) needs compute capability >= %d.%d; this device is sm_%d (%d.%d); "
+            "use attention_impl 0 (auto) or 1 (simt)",
+            kMIN_SM_TENSOR_CORE / 10, kMIN_SM_TENSOR_CORE % 10, smVersion, smVersion / 10, smVersion % 10);
+    }
+    return 0;
 }
 
 } // namespace kernels

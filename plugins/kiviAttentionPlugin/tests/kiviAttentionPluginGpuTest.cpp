@@ -1,11 +1,13 @@
 /*
  * GPU test of the plugin's enqueue glue (no TensorRT runtime needed): two steps (prefill 200 + 37 tokens, then one
- * decode token + a 100-token chunk) of a ragged batch run three ways from the same inputs and initial cache:
+ * decode token + a 100-token chunk) of a ragged batch run from the same inputs and initial cache:
  *   A  trtllm_kivi::kernels::invokeKiviStep called directly (the oracle: the kernels' own API, which the kernel tests
  *      compare with the torch reference),
  *   B  KiviAttentionPlugin::enqueue with each cache output aliased to its input (TensorRT with aliasing),
- *   C  enqueue with separate output buffers (TensorRT without PreviewFeature::kALIASED_PLUGIN_IO_10_03).
- * out and every cache buffer must be byte-identical across A, B and C, and C's input buffers untouched.
+ *   C  enqueue with separate output buffers (TensorRT without PreviewFeature::kALIASED_PLUGIN_IO_10_03): refused.
+ * out and every cache buffer must be byte-identical across A and B, B's status output 0 (it starts as garbage), and
+ * C must write nothing (no copy of the cache, no output). A third step claims a length past the block table:
+ * the status output says kKIVI_ERR_CAPACITY and that sequence's rows are zero.
  * Exits 77 (ctest: skipped) when no CUDA device is present.
  */
 #include "kiviAttentionPlugin.h"
@@ -16,6 +18,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -193,6 +197,9 @@ int main()
         }
         std::vector<PluginTensorDesc> inDesc(kNB_INPUTS);
         std::vector<PluginTensorDesc> outDesc(kNB_OUTPUTS);
+        outDesc[kOUT_STATUS].dims = makeDims({1});
+        outDesc[kOUT_STATUS].type = DataType::kINT32;
+        outDesc[kOUT_STATUS].format = TensorFormat::kLINEAR;
         for (int32_t i = 0; i < kNB_INPUTS; ++i)
         {
             inDesc[static_cast<size_t>(i)].dims = dims[static_cast<size_t>(i)];
@@ -227,6 +234,10 @@ int main()
         size_t const wsBytes = kernels::kiviWorkspaceSize(s);
         DeviceBuffer ws(wsBytes);
         DeviceBuffer outA(qh.size() * 2), outB(qh.size() * 2), outC(qh.size() * 2);
+        DeviceBuffer statusB(4), statusC(4);
+        CUDA_OK(cudaMemset(statusB.ptr, 0x5A, 4)); // the plugin clears it
+        CUDA_OK(cudaMemset(statusC.ptr, 0x5A, 4));
+        CUDA_OK(cudaMemset(outC.ptr, 0x7B, outC.bytes));
         s.q = q.ptr;
         s.k = k.ptr;
         s.v = v.ptr;
@@ -245,7 +256,7 @@ int main()
         s.workspaceSize = wsBytes;
         CHECK(kernels::invokeKiviStep(s, stream) == cudaSuccess);
 
-        // B: enqueue, aliased. C: enqueue into separate outputs (start them as garbage: the plugin must copy).
+        // B: enqueue, aliased. C: enqueue into separate outputs (garbage-filled): refused, nothing written.
         std::vector<void const*> inB = {q.ptr, k.ptr, v.ptr, slotIds.ptr, pastLen.ptr, chunkLen.ptr, table.ptr};
         std::vector<void const*> inC = inB;
         std::vector<void*> outPtrB = {outB.ptr};
@@ -257,21 +268,108 @@ int main()
             inC.push_back(cacheCIn.bufs[static_cast<size_t>(b)]->ptr);
             outPtrC.push_back(cacheCOut.bufs[static_cast<size_t>(b)]->ptr);
         }
+        outPtrB.push_back(statusB.ptr);
+        outPtrC.push_back(statusC.ptr);
         Cache cInBefore(p, numBlocks, numSlots, act);
         cInBefore.copyFrom(cacheCIn);
         cacheCOut.fill(0xA5);
+        Cache cOutBefore(p, numBlocks, numSlots, act);
+        cOutBefore.copyFrom(cacheCOut);
+        std::vector<unsigned char> const outCBefore = outC.download();
         CHECK(plugin.enqueue(inDesc.data(), outDesc.data(), inB.data(), outPtrB.data(), ws.ptr, stream) == 0);
-        CHECK(plugin.enqueue(inDesc.data(), outDesc.data(), inC.data(), outPtrC.data(), ws.ptr, stream) == 0);
+        CHECK(plugin.enqueue(inDesc.data(), outDesc.data(), inC.data(), outPtrC.data(), ws.ptr, stream) != 0);
+        CHECK(std::strstr(lastError().c_str(), "is not its input's buffer") != nullptr);
         CUDA_OK(cudaStreamSynchronize(stream));
 
         CHECK(outA.download() == outB.download());
-        CHECK(outA.download() == outC.download());
         CHECK(cacheA.equals(cacheB));
-        CHECK(cacheA.equals(cacheCOut));
-        CHECK(cacheCIn.equals(cInBefore)); // inputs are not written when outputs are separate
-        cacheCIn.copyFrom(cacheCOut);      // the next step starts from the state C produced
+        int32_t status = -1;
+        CUDA_OK(cudaMemcpy(&status, statusB.ptr, 4, cudaMemcpyDeviceToHost));
+        CHECK(status == 0);
+        CHECK(cacheCIn.equals(cInBefore)); // refused: nothing read into or written to the separate outputs
+        CHECK(cacheCOut.equals(cOutBefore));
+        CHECK(outC.download() == outCBefore);
         std::printf("step %zu (%lld tokens): %s\n", step + 1, static_cast<long long>(tokens),
-            gFailures == 0 ? "A == B == C" : "MISMATCH");
+            gFailures == 0 ? "A == B, status 0, separate outputs refused" : "MISMATCH");
+    }
+
+    // A length past the block table's capacity (device lengths: no host check can see it): sequence 1 claims
+    // past_len 5000 (capacity 4 x 128 + 159). It is skipped (zero rows, cache untouched) and status says so.
+    {
+        std::vector<int32_t> const past = {201, 5000}; // sequence 0 holds 200 + 1 tokens
+        std::vector<int32_t> const chunk = {1, 1};
+        uint32_t r2 = 777U;
+        auto const qh = randomHalf(2 * 9 * 64, r2);
+        auto const kh = randomHalf(2 * 3 * 64, r2);
+        DeviceBuffer q(qh.size() * 2), k(kh.size() * 2), v(kh.size() * 2), out(qh.size() * 2), status(4);
+        DeviceBuffer slotIds(8), pastLen(8), chunkLen(8), table(blockTable.size() * 4);
+        upload(q, qh);
+        upload(k, kh);
+        upload(v, kh);
+        upload(slotIds, slots);
+        upload(pastLen, past);
+        upload(chunkLen, chunk);
+        upload(table, blockTable);
+        CUDA_OK(cudaMemset(out.ptr, 0x7B, out.bytes));
+        std::vector<PluginTensorDesc> inDesc(kNB_INPUTS);
+        std::vector<PluginTensorDesc> outDesc(kNB_OUTPUTS);
+        std::vector<Dims> dims = {makeDims({2, 9, 64}), makeDims({2, 3, 64}), makeDims({2, 3, 64}), makeDims({2}),
+            makeDims({2}), makeDims({2}), makeDims({2, maxBlocks})};
+        for (int32_t b = 0; b < kNUM_BUFFERS; ++b)
+        {
+            dims.push_back(bufferDims(p, b, numBlocks, numSlots));
+        }
+        for (int32_t i = 0; i < kNB_INPUTS; ++i)
+        {
+            inDesc[static_cast<size_t>(i)].dims = dims[static_cast<size_t>(i)];
+            inDesc[static_cast<size_t>(i)].type = expectedInputType(p, i, act);
+            inDesc[static_cast<size_t>(i)].format = TensorFormat::kLINEAR;
+        }
+        std::vector<void const*> in = {q.ptr, k.ptr, v.ptr, slotIds.ptr, pastLen.ptr, chunkLen.ptr, table.ptr};
+        std::vector<void*> outs = {out.ptr};
+        for (int32_t b = 0; b < kNUM_BUFFERS; ++b)
+        {
+            in.push_back(cacheB.bufs[static_cast<size_t>(b)]->ptr);
+            outs.push_back(cacheB.bufs[static_cast<size_t>(b)]->ptr);
+        }
+        outs.push_back(status.ptr);
+        Cache before(p, numBlocks, numSlots, act);
+        before.copyFrom(cacheB);
+        kernels::KiviStepParams s{};
+        s.numHeads = 9;
+        s.numKvHeads = 3;
+        s.headDim = 64;
+        s.kBits = s.vBits = 2;
+        s.groupSize = 32;
+        s.residualLength = 128;
+        s.blockSize = 128;
+        s.batch = 2;
+        s.numTokens = 2;
+        s.numBlocks = static_cast<int32_t>(numBlocks);
+        s.numSlots = static_cast<int32_t>(numSlots);
+        s.maxBlocksPerSeq = static_cast<int32_t>(maxBlocks);
+        DeviceBuffer ws(kernels::kiviWorkspaceSize(s));
+        CHECK(plugin.enqueue(inDesc.data(), outDesc.data(), in.data(), outs.data(), ws.ptr, stream) == 0);
+        CUDA_OK(cudaStreamSynchronize(stream));
+        int32_t bits = -1;
+        CUDA_OK(cudaMemcpy(&bits, status.ptr, 4, cudaMemcpyDeviceToHost));
+        CHECK(bits == kernels::kKIVI_ERR_CAPACITY);
+        std::vector<unsigned char> const o = out.download();
+        bool zeroRow = true;
+        for (size_t i = 9 * 64 * 2; i < o.size(); ++i)
+        {
+            zeroRow = zeroRow && o[i] == 0;
+        }
+        CHECK(zeroRow); // the skipped sequence's row (token 1) is zero, not garbage
+        // ... and its window (slot 0: the first slot of k_window / v_window) untouched.
+        size_t const slotBytes = size_t(3) * 159 * 64 * 2;
+        for (int32_t b : {kBUFFER_K_WINDOW, kBUFFER_V_WINDOW})
+        {
+            auto const now = cacheB.bufs[static_cast<size_t>(b)]->download();
+            auto const was = before.bufs[static_cast<size_t>(b)]->download();
+            CHECK(std::equal(now.begin(), now.begin() + static_cast<std::ptrdiff_t>(slotBytes), was.begin()));
+        }
+        std::printf("overflowing sequence: status %d (kKIVI_ERR_CAPACITY = %d)\n", bits, kernels::kKIVI_ERR_CAPACITY);
     }
     CUDA_OK(cudaStreamDestroy(stream));
     return gFailures == 0 ? EXIT_SUCCESS : EXIT_FAILURE;

@@ -1,6 +1,7 @@
 /*
  * Creator and host-side tests of the KiviAttention plugin (no GPU, no libnvinfer): field parsing, validation
- * messages, serialize -> create round trip, I/O types/shapes/aliasing, the loadLibrary entry points.
+ * messages, serialize -> create round trip, I/O types/shapes/aliasing, the status output, the profile workspace,
+ * enqueue refusals (non-aliased cache buffers), the loadLibrary entry points.
  * Oracle: trtllm_kivi/format.py + trtllm_kivi/plugin.py (the field list and rules this mirrors) and the layouts of
  * format.buffer_shapes, written out here for one geometry.
  *
@@ -9,8 +10,11 @@
  */
 #include "kiviAttentionPlugin.h"
 #include "kiviAttentionPluginExports.h"
+#include "kiviParams.h"
 #include "kiviTestUtils.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -99,7 +103,8 @@ Fields smolFields()
     Fields f;
     f.set("num_heads", 9).set("num_kv_heads", 3).set("head_dim", 64).set("k_bits", 2).set("v_bits", 2);
     f.set("group_size", 32).set("residual_length", 128).set("block_size", 128).set("scale_dtype", 0);
-    f.set("key_grouping", 0).set("format_version", kFORMAT_VERSION);
+    f.set("key_grouping", 0).set("sink_tokens", 0).set("k_rotation", 0).set("v_rotation", 0);
+    f.set("format_version", kFORMAT_VERSION);
     return f;
 }
 
@@ -134,14 +139,39 @@ std::vector<Dims> smolDims(int64_t t, int64_t b, int64_t nb, int64_t s, int64_t 
         makeDims({s, 3, 159, 64}), makeDims({s, 3, 159, 64})};
 }
 
-//! getOutputShapes never builds expressions (it passes its inputs' through): an expression builder that has none.
-class NullExprBuilder : public IExprBuilder
+//! getOutputShapes passes its inputs' expressions through and builds one constant (status: [1]). The builder
+//! hands out distinct fake expressions and records the constants asked for; it never builds anything else.
+class FakeExprBuilderImpl : public apiv::VExprBuilder
 {
 public:
-    NullExprBuilder()
+    IDimensionExpr const* constant(int64_t value) override
     {
-        mImpl = nullptr;
+        constants.push_back(value);
+        return reinterpret_cast<IDimensionExpr const*>(kCONSTANT_BASE + 16 * constants.size());
     }
+    IDimensionExpr const* operation(DimensionOperation, IDimensionExpr const&, IDimensionExpr const&) override
+    {
+        ++operations;
+        return nullptr;
+    }
+    IDimensionExpr const* declareSizeTensor(int32_t, IDimensionExpr const&, IDimensionExpr const&) override
+    {
+        ++operations;
+        return nullptr;
+    }
+    static constexpr uintptr_t kCONSTANT_BASE = 0x900000;
+    std::vector<int64_t> constants;
+    int32_t operations{0};
+};
+
+class FakeExprBuilder : public IExprBuilder
+{
+public:
+    FakeExprBuilder()
+    {
+        mImpl = &impl;
+    }
+    FakeExprBuilderImpl impl;
 };
 
 std::vector<DataType> smolTypes(DataType act, DataType scale = DataType::kHALF)
@@ -177,9 +207,10 @@ void testIdentity()
     CHECK(std::string(c.getPluginVersion()) == "1");
     CHECK(std::string(c.getPluginNamespace()) == "trtllm_kivi");
     PluginFieldCollection const* fc = c.getFieldNames();
-    CHECK(fc != nullptr && fc->nbFields == 11);
+    CHECK(fc != nullptr && fc->nbFields == 14);
     char const* names[] = {"num_heads", "num_kv_heads", "head_dim", "k_bits", "v_bits", "group_size",
-        "residual_length", "block_size", "scale_dtype", "key_grouping", "format_version"};
+        "residual_length", "block_size", "scale_dtype", "key_grouping", "sink_tokens", "k_rotation", "v_rotation",
+        "format_version"};
     for (int32_t i = 0; fc != nullptr && i < fc->nbFields; ++i)
     {
         CHECK_MSG(std::string(fc->fields[i].name) == names[i], fc->fields[i].name);
@@ -195,7 +226,7 @@ void testIdentity()
     CHECK(std::string(p->getPluginName()) == "KiviAttention");
     CHECK(std::string(p->getPluginVersion()) == "1");
     CHECK(std::string(p->getPluginNamespace()) == "trtllm_kivi");
-    CHECK(p->getNbOutputs() == 9);
+    CHECK(p->getNbOutputs() == 10); // out, 8 cache buffers, status
     CHECK(p->getCapabilityInterface(PluginCapabilityType::kCORE) == static_cast<IPluginV3OneCore*>(p.get()));
     auto* build = static_cast<IPluginV3OneBuildV2*>(p->getCapabilityInterface(PluginCapabilityType::kBUILD));
     CHECK(build == static_cast<IPluginV3OneBuildV2*>(p.get()));
@@ -207,7 +238,7 @@ void testIdentity()
 
 void testRoundTrip()
 {
-    for (int32_t variant = 0; variant < 4; ++variant)
+    for (int32_t variant = 0; variant < 5; ++variant)
     {
         Fields f = smolFields();
         if (variant == 1)
@@ -218,6 +249,10 @@ void testRoundTrip()
         if (variant == 2)
         {
             f.set("scale_dtype", 1).set("key_grouping", 1).set("group_size", 128).set("block_size", 128);
+        }
+        if (variant == 4) // rotation codes are carried (the op itself is rotation-agnostic)
+        {
+            f.set("k_rotation", 1).set("v_rotation", 0);
         }
         if (variant == 3) // build phase: only the geometry; the rest takes format.py's defaults
         {
@@ -231,7 +266,7 @@ void testRoundTrip()
             continue;
         }
         PluginFieldCollection const* ser = p->getFieldsToSerialize();
-        CHECK(ser != nullptr && ser->nbFields == 11);
+        CHECK(ser != nullptr && ser->nbFields == 14);
         for (int32_t i = 0; i < ser->nbFields; ++i)
         {
             CHECK(std::string(ser->fields[i].name) == kFIELDS[static_cast<size_t>(i)].name);
@@ -240,6 +275,12 @@ void testRoundTrip()
         if (variant == 3)
         {
             CHECK(p->params() == smolParamsDefaults());
+        }
+        if (variant == 4)
+        {
+            CHECK(p->params().kRotation == kROTATION_HADAMARD && p->params().vRotation == kROTATION_NONE);
+            CHECK(contains(p->getMetadataString(), "k_rotation=1 v_rotation=0"));
+            CHECK(contains(p->getMetadataString(), "rotation k=hadamard v=none"));
         }
         // Runtime phase: what TensorRT passes back at deserialization.
         clearLastError();
@@ -281,6 +322,20 @@ void testFieldErrors()
     expectRefused(smolFields().set("block_size", 0), {"block_size=0"}, __LINE__);
     expectRefused(smolFields().set("scale_dtype", 3), {"scale_dtype=3", "0=float16, 1=bfloat16, 2=float32"}, __LINE__);
     expectRefused(smolFields().set("key_grouping", 2), {"key_grouping=2", "0=per_channel, 1=per_token"}, __LINE__);
+    // Issue 11's fields: sinks are refused until the kernels keep them (never ignored), in both phases; rotation
+    // codes outside {0, 1} are refused.
+    for (TensorRTPhase phase : {TensorRTPhase::kBUILD, TensorRTPhase::kRUNTIME})
+    {
+        expectRefused(smolFields().set("sink_tokens", 4),
+            {"field sink_tokens=4 is not supported yet", "keep no full-precision sink tokens", "allowed: 0"}, __LINE__,
+            phase);
+    }
+    expectRefused(smolFields().set("sink_tokens", 129), {"sink_tokens=129 must be in [0, 128]"}, __LINE__);
+    expectRefused(smolFields().set("sink_tokens", -1), {"sink_tokens=-1 must be in [0, 128]"}, __LINE__);
+    expectRefused(smolFields().set("k_rotation", 2), {"k_rotation=2", "0=none, 1=hadamard"}, __LINE__);
+    expectRefused(smolFields().set("v_rotation", -1), {"v_rotation=-1", "0=none, 1=hadamard"}, __LINE__);
+    expectRefused(smolFields().erase("v_rotation"), {"missing field(s) v_rotation", "serialized"}, __LINE__,
+        TensorRTPhase::kRUNTIME);
     // A plan from another storage format: both versions named.
     expectRefused(smolFields().set("format_version", kFORMAT_VERSION + 1),
         {"format_version=" + std::to_string(kFORMAT_VERSION + 1), "FORMAT_VERSION=" + std::to_string(kFORMAT_VERSION)},
@@ -329,53 +384,61 @@ void testTypesAndAliasing()
     {
         CHECK(p->getAliasedInput(o) == 6 + o); // outputs 1..8 -> inputs 7..14
     }
-    CHECK(p->getAliasedInput(9) == -1);
+    CHECK(p->getAliasedInput(9) == -1); // status is fresh
+    CHECK(p->getAliasedInput(10) == -1);
     for (DataType act : {DataType::kHALF, DataType::kBF16})
     {
         auto in = smolTypes(act);
-        DataType out[9];
-        CHECK(p->getOutputDataTypes(out, 9, in.data(), 15) == 0);
+        DataType out[10];
+        CHECK(p->getOutputDataTypes(out, 10, in.data(), 15) == 0);
         CHECK(out[0] == act);
         for (int32_t b = 0; b < 8; ++b)
         {
             CHECK(out[1 + b] == in[static_cast<size_t>(7 + b)]);
         }
+        CHECK(out[9] == DataType::kINT32);
         // supportsFormatCombination accepts exactly this combination, output types included.
-        std::vector<DynamicPluginTensorDesc> io(24);
-        for (int32_t i = 0; i < 24; ++i)
+        std::vector<DynamicPluginTensorDesc> io(25);
+        for (int32_t i = 0; i < 25; ++i)
         {
             io[static_cast<size_t>(i)].desc.format = TensorFormat::kLINEAR;
             io[static_cast<size_t>(i)].desc.type = i < 15 ? in[static_cast<size_t>(i)] : out[i - 15];
         }
-        for (int32_t pos = 0; pos < 24; ++pos)
+        for (int32_t pos = 0; pos < 25; ++pos)
         {
-            CHECK_MSG(p->supportsFormatCombination(pos, io.data(), 15, 9), std::to_string(pos));
+            CHECK_MSG(p->supportsFormatCombination(pos, io.data(), 15, 10), std::to_string(pos));
         }
+        io[24].desc.type = DataType::kFLOAT; // status must be int32
+        CHECK(!p->supportsFormatCombination(24, io.data(), 15, 10));
+        io[24].desc.type = DataType::kINT32;
         io[8].desc.type = DataType::kFLOAT; // k_scale fp32 while scale_dtype=float16
-        CHECK(!p->supportsFormatCombination(8, io.data(), 15, 9));
+        CHECK(!p->supportsFormatCombination(8, io.data(), 15, 10));
         io[8].desc.type = DataType::kHALF;
         io[2].desc.type = act == DataType::kHALF ? DataType::kBF16 : DataType::kHALF; // v differs from q
-        CHECK(!p->supportsFormatCombination(2, io.data(), 15, 9));
+        CHECK(!p->supportsFormatCombination(2, io.data(), 15, 10));
         io[2].desc.type = act;
         io[3].desc.type = DataType::kINT64; // slot_ids int64
-        CHECK(!p->supportsFormatCombination(3, io.data(), 15, 9));
+        CHECK(!p->supportsFormatCombination(3, io.data(), 15, 10));
         io[3].desc.type = DataType::kINT32;
         io[13].desc.format = TensorFormat::kHWC8;
-        CHECK(!p->supportsFormatCombination(13, io.data(), 15, 9));
-        CHECK(!p->supportsFormatCombination(0, io.data(), 14, 9));
+        CHECK(!p->supportsFormatCombination(13, io.data(), 15, 10));
+        CHECK(!p->supportsFormatCombination(0, io.data(), 14, 10));
+        CHECK(!p->supportsFormatCombination(0, io.data(), 15, 9)); // the pre-status output count
     }
-    std::vector<DynamicPluginTensorDesc> io(24);
+    std::vector<DynamicPluginTensorDesc> io(25);
     io[0].desc.format = TensorFormat::kLINEAR;
     io[0].desc.type = DataType::kFLOAT;
-    CHECK(!p->supportsFormatCombination(0, io.data(), 15, 9)); // fp32 activations: not in the kernels
+    CHECK(!p->supportsFormatCombination(0, io.data(), 15, 10)); // fp32 activations: not in the kernels
     auto bad = smolTypes(DataType::kFLOAT);
-    DataType out[9];
+    DataType out[10];
     clearLastError();
-    CHECK(p->getOutputDataTypes(out, 9, bad.data(), 15) != 0);
+    CHECK(p->getOutputDataTypes(out, 9, smolTypes(DataType::kHALF).data(), 15) != 0);
+    CHECK_MSG(contains(lastError(), "has 10 outputs, asked for 9"), lastError());
+    CHECK(p->getOutputDataTypes(out, 10, bad.data(), 15) != 0);
     CHECK_MSG(contains(lastError(), "input q has type float32") && contains(lastError(), "float16, bfloat16"),
         lastError());
     bad = smolTypes(DataType::kHALF, DataType::kBF16);
-    CHECK(p->getOutputDataTypes(out, 9, bad.data(), 15) != 0);
+    CHECK(p->getOutputDataTypes(out, 10, bad.data(), 15) != 0);
     CHECK_MSG(contains(lastError(), "input k_scale has type bfloat16, expected float16"), lastError());
 
     // scale_dtype selects the scale/zero type: bf16 scales with fp16 activations, fp32 scales with bf16.
@@ -386,7 +449,7 @@ void testTypesAndAliasing()
         auto ps = create(g);
         DataType const scale = sd == 0 ? DataType::kHALF : sd == 1 ? DataType::kBF16 : DataType::kFLOAT;
         auto in = smolTypes(DataType::kBF16, scale);
-        CHECK(ps != nullptr && ps->getOutputDataTypes(out, 9, in.data(), 15) == 0 && out[2] == scale);
+        CHECK(ps != nullptr && ps->getOutputDataTypes(out, 10, in.data(), 15) == 0 && out[2] == scale);
     }
 }
 
@@ -449,17 +512,22 @@ void testShapes()
             in[i].d[j] = reinterpret_cast<IDimensionExpr const*>(0x1000 + 16 * (8 * i + static_cast<size_t>(j)));
         }
     }
-    std::vector<DimsExprs> out(9);
-    NullExprBuilder builder;
-    CHECK(p->getOutputShapes(in.data(), 15, nullptr, 0, out.data(), 9, builder) == 0);
+    std::vector<DimsExprs> out(10);
+    FakeExprBuilder builder;
+    CHECK(p->getOutputShapes(in.data(), 15, nullptr, 0, out.data(), 10, builder) == 0);
     CHECK(out[0].nbDims == 3 && out[0].d[1] == in[0].d[1]);
     for (size_t b = 0; b < 8; ++b)
     {
         CHECK(out[1 + b].nbDims == 4 && out[1 + b].d[3] == in[7 + b].d[3]);
     }
+    // status: [1], the one constant built.
+    CHECK(builder.impl.constants == std::vector<int64_t>{1} && builder.impl.operations == 0);
+    CHECK(out[9].nbDims == 1
+        && out[9].d[0] == reinterpret_cast<IDimensionExpr const*>(FakeExprBuilderImpl::kCONSTANT_BASE + 16));
+    CHECK(p->getOutputShapes(in.data(), 15, nullptr, 0, out.data(), 9, builder) != 0);
     in[1].nbDims = 2;
     clearLastError();
-    CHECK(p->getOutputShapes(in.data(), 15, nullptr, 0, out.data(), 9, builder) != 0);
+    CHECK(p->getOutputShapes(in.data(), 15, nullptr, 0, out.data(), 10, builder) != 0);
     CHECK_MSG(contains(lastError(), "input k has rank 2, expected 3"), lastError());
 }
 
@@ -490,13 +558,76 @@ void testConfigureAndWorkspace()
     }
     auto types = smolTypes(DataType::kHALF);
     auto in = dynamicDescs(smolDims(-1, -1, 64, 8, -1), smolDims(512, 8, 64, 8, 16), types);
-    std::vector<DynamicPluginTensorDesc> out(9);
+    std::vector<DynamicPluginTensorDesc> out(10);
     clearLastError();
-    CHECK_MSG(p->configurePlugin(in.data(), 15, out.data(), 9) == 0, lastError());
-    size_t const ws = p->getWorkspaceSize(in.data(), 15, out.data(), 9);
+    CHECK_MSG(p->configurePlugin(in.data(), 15, out.data(), 10) == 0, lastError());
+    size_t const ws = p->getWorkspaceSize(in.data(), 15, out.data(), 10);
     // More tokens / a wider table at the profile max never need less workspace.
     auto bigger = dynamicDescs(smolDims(-1, -1, 64, 8, -1), smolDims(4096, 64, 64, 8, 64), types);
-    CHECK(p->getWorkspaceSize(bigger.data(), 15, out.data(), 9) >= ws);
+    CHECK(p->getWorkspaceSize(bigger.data(), 15, out.data(), 10) >= ws);
+    CHECK(p->configurePlugin(in.data(), 15, out.data(), 9) != 0); // the status output is required
+
+    // The workspace covers every step of the profile, from the steps' own split plans. Oracle: the kernels'
+    // kiviWorkspaceSize of each step of a small profile (tokens 1..512, batch 1..8, a fixed 16-block table) and
+    // kiviLaunchPlan: its maximum, at the largest batch's per-sequence info.
+    {
+        kernels::KiviStepParams s{};
+        s.numHeads = 9;
+        s.numKvHeads = 3;
+        s.headDim = 64;
+        s.kBits = s.vBits = 2;
+        s.groupSize = 32;
+        s.residualLength = 128;
+        s.blockSize = 128;
+        s.numBlocks = 64;
+        s.numSlots = 8;
+        s.maxBlocksPerSeq = 16;
+        size_t most = 0;
+        for (int32_t t = 1; t <= 512; ++t)
+        {
+            for (int32_t b = 1; b <= 8; ++b)
+            {
+                s.numTokens = t;
+                s.batch = b;
+                kernels::KiviLaunchPlan const plan = kernels::kiviLaunchPlan(s);
+                most = std::max(most, plan.partialBytes);
+                CHECK(kernels::kiviWorkspaceSize(s) == plan.seqInfoBytes + plan.partialBytes);
+            }
+        }
+        auto fixed = dynamicDescs(smolDims(1, 1, 64, 8, 16), smolDims(512, 8, 64, 8, 16), types);
+        size_t const seqInfo8 = 256; // 8 sequences x 8 int32, rounded to 256 bytes
+        CHECK_MSG(p->getWorkspaceSize(fixed.data(), 15, out.data(), 10) == most + seqInfo8,
+            std::to_string(p->getWorkspaceSize(fixed.data(), 15, out.data(), 10)) + " vs " + std::to_string(most));
+    }
+    // Issue 12's numbers: a Llama-3-8B layer (32 q heads, 8 KV heads, D 128) with a long-prefill profile (1..8192
+    // tokens, 1..8 sequences, 256-block table = 32K context) was given 140,708,096 bytes (a bound on T x numSplits
+    // at 8192 tokens: (8192 + 264) x 32 rows of 130 fp32). The most any step uses: 256 tokens split 2 ways.
+    {
+        Fields g = smolFields();
+        g.set("num_heads", 32).set("num_kv_heads", 8).set("head_dim", 128);
+        auto pl = create(g);
+        CHECK(pl != nullptr);
+        if (pl != nullptr)
+        {
+            std::vector<Dims> lo = {makeDims({1, 32, 128}), makeDims({1, 8, 128}), makeDims({1, 8, 128}),
+                makeDims({1}), makeDims({1}), makeDims({1}), makeDims({1, 256})};
+            std::vector<Dims> hi = {makeDims({8192, 32, 128}), makeDims({8192, 8, 128}), makeDims({8192, 8, 128}),
+                makeDims({8}), makeDims({8}), makeDims({8}), makeDims({8, 256})};
+            for (int32_t b = 0; b < kNUM_BUFFERS; ++b)
+            {
+                lo.push_back(bufferDims(pl->params(), b, 2048, 8));
+                hi.push_back(lo.back());
+            }
+            auto llama = dynamicDescs(lo, hi, types);
+            CHECK_MSG(pl->configurePlugin(llama.data(), 15, out.data(), 10) == 0, lastError());
+            size_t const rows = 256 * 32 * 2;
+            size_t const want = (rows * 128 * 4 + 255) / 256 * 256 + (rows * 2 * 4 + 255) / 256 * 256 + 256;
+            size_t const got = pl->getWorkspaceSize(llama.data(), 15, out.data(), 10);
+            CHECK_MSG(got == want && want == 8519936, std::to_string(got));
+            std::printf("  Llama-3-8B layer, 1..8192 tokens, 1..8 sequences, 32K context: workspace %zu bytes "
+                        "(was 140708096)\n", got);
+        }
+    }
 
     // Refused at build time: what the kernels cannot run (per-token keys), and dims that contradict the fields.
     Fields g = smolFields();
@@ -514,13 +645,13 @@ void testConfigureAndWorkspace()
         }
         auto ind = dynamicDescs(d, m, types);
         clearLastError();
-        CHECK(pt->configurePlugin(ind.data(), 15, out.data(), 9) != 0);
+        CHECK(pt->configurePlugin(ind.data(), 15, out.data(), 10) != 0);
         CHECK_MSG(contains(lastError(), "key_grouping=1"), lastError());
     }
     auto wrong = dynamicDescs(smolDims(-1, -1, 64, 8, -1), smolDims(512, 8, 64, 8, 16), types);
     wrong[7].desc.dims = makeDims({64, 3, 16, 64}); // k_codes for 4-bit keys while k_bits=2
     clearLastError();
-    CHECK(p->configurePlugin(wrong.data(), 15, out.data(), 9) != 0);
+    CHECK(p->configurePlugin(wrong.data(), 15, out.data(), 10) != 0);
     CHECK_MSG(contains(lastError(), "input k_codes has dims [64, 3, 16, 64], expected [64, 3, 8, 64]"), lastError());
 }
 
@@ -537,7 +668,7 @@ void testEnqueueRefusesWithoutLaunching()
     auto dims = smolDims(5, 2, 10, 4, 3);
     auto types = smolTypes(DataType::kHALF);
     std::vector<PluginTensorDesc> in(15);
-    std::vector<PluginTensorDesc> out(9);
+    std::vector<PluginTensorDesc> out(10);
     for (size_t i = 0; i < 15; ++i)
     {
         in[i].dims = dims[i];
@@ -545,7 +676,7 @@ void testEnqueueRefusesWithoutLaunching()
         in[i].format = TensorFormat::kLINEAR;
     }
     std::vector<void const*> inPtrs(15, nullptr);
-    std::vector<void*> outPtrs(9, nullptr);
+    std::vector<void*> outPtrs(10, nullptr);
     in[8].type = DataType::kFLOAT; // k_scale fp32 with scale_dtype=float16
     clearLastError();
     CHECK(p->enqueue(in.data(), out.data(), inPtrs.data(), outPtrs.data(), nullptr, nullptr) != 0);
@@ -558,9 +689,39 @@ void testEnqueueRefusesWithoutLaunching()
     // Null device pointers: the kernels' host validation refuses them by name.
     CHECK(p->enqueue(in.data(), out.data(), inPtrs.data(), outPtrs.data(), nullptr, nullptr) != 0);
     CHECK_MSG(contains(lastError(), "null pointer"), lastError());
-    CHECK(p->onShapeChange(in.data(), 15, out.data(), 9) == 0);
+    CHECK(p->onShapeChange(in.data(), 15, out.data(), 10) == 0);
+
+    // Fake, aligned, never dereferenced device addresses: every check before the first CUDA call passes on them.
+    alignas(256) static unsigned char sFake[64][256];
+    for (size_t i = 0; i < 15; ++i)
+    {
+        inPtrs[i] = sFake[i];
+    }
+    outPtrs[0] = sFake[20];
+    for (size_t b = 0; b < 8; ++b)
+    {
+        outPtrs[1 + b] = sFake[30 + b]; // separate outputs: TensorRT without aliased plugin I/O
+    }
+    outPtrs[9] = sFake[40];
+    clearLastError();
+    CHECK(p->enqueue(in.data(), out.data(), inPtrs.data(), outPtrs.data(), sFake[50], nullptr) != 0);
+    CHECK_MSG(contains(lastError(), "output k_codes") && contains(lastError(), "is not its input's buffer")
+            && contains(lastError(), "never copied") && contains(lastError(), "kALIASED_PLUGIN_IO_10_03"),
+        lastError());
+    for (size_t b = 0; b < 8; ++b)
+    {
+        outPtrs[1 + b] = const_cast<void*>(inPtrs[7 + b]);
+    }
+    outPtrs[7] = sFake[37]; // only k_window separate: still refused, by name
+    CHECK(p->enqueue(in.data(), out.data(), inPtrs.data(), outPtrs.data(), sFake[50], nullptr) != 0);
+    CHECK_MSG(contains(lastError(), "output k_window"), lastError());
+    outPtrs[7] = const_cast<void*>(inPtrs[13]);
+    outPtrs[9] = nullptr; // aliased buffers, no status output
+    CHECK(p->enqueue(in.data(), out.data(), inPtrs.data(), outPtrs.data(), sFake[50], nullptr) != 0);
+    CHECK_MSG(contains(lastError(), "status output is a null pointer"), lastError());
+
     in[14].dims = makeDims({5, 3, 159, 64}); // v_window slots differ from k_window's
-    CHECK(p->onShapeChange(in.data(), 15, out.data(), 9) != 0);
+    CHECK(p->onShapeChange(in.data(), 15, out.data(), 10) != 0);
     CHECK_MSG(contains(lastError(), "input v_window has dims [5, 3, 159, 64], expected [4, 3, 159, 64]"), lastError());
 }
 
