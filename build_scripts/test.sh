@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The test command (README; .ci/run calls it): install with test dependencies, compile the CUDA kernels for one
-# arch (the TensorRT plugin is skipped without TensorRT headers), create the Triton serving env, run ruff and mypy,
+# The test command (README; .ci/run calls it): install with test dependencies, build the native CPU kernels, compile
+# the CUDA kernels for one arch (the TensorRT plugin is skipped without TensorRT headers), create the Triton serving env, run ruff and mypy,
 # then the test suite.
 #   bash build_scripts/test.sh [pytest args...]
 # KIVI_CUDA_ARCHS overrides the arch compiled here (default 90; build_plugin.sh alone compiles 80 and 90).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash build_scripts/install.sh --test
+bash build_scripts/build_cpu_kernels.sh --jobs 2  # CI tests the native CPU kernels: a build failure fails here
 bash build_scripts/build_plugin.sh --arch "${KIVI_CUDA_ARCHS:-90}" --jobs 2
 TRTLLM_KIVI_TRITON_ENV="$(bash build_scripts/setup_triton_env.sh | tail -n 1)"
 export TRTLLM_KIVI_TRITON_ENV

@@ -308,17 +308,18 @@ def test_dtype_choice():
 
 
 @pytest.mark.parametrize("pre,expected", [("gpt2", ["1", "2", "34", "5"]), ("smollm", ["1", "2", "3", "4", "5"]),
-                                          ("llama-bpe", ["1", "2", "3", "4", "5"])])
+                                          ("llama-bpe", ["1", "2", "3", "4", "5"]),
+                                          ("qwen2", ["1", "2", "3", "4", "5"])])
 def test_gguf_pre_tokenizers(pre, expected):
     """llama.cpp's pre-tokenizer regexes decide which merges may apply: GPT-2 keeps "12345" whole (merge 3+4
-    applies), smollm splits every digit, llama-bpe splits digits in groups of three ("123" | "45")."""
+    applies), smollm and qwen2 split every digit, llama-bpe splits digits in groups of three ("123" | "45")."""
     from trtllm_kivi.models import Tokenizer
 
     tok = Tokenizer.from_gguf_fields({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
                                       "tokenizer.ggml.tokens": BYTES + ["34"], "tokenizer.ggml.merges": ["3 4"]})
     assert [tok.token(i) for i in tok.encode("12345")] == expected
-    with pytest.raises(ValueError, match=r"tokenizer.ggml.pre='qwen2' is not supported"):
-        Tokenizer.from_gguf_fields({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
+    with pytest.raises(ValueError, match=r"tokenizer.ggml.pre='deepseek-llm' is not supported"):
+        Tokenizer.from_gguf_fields({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "deepseek-llm",
                                     "tokenizer.ggml.tokens": BYTES, "tokenizer.ggml.merges": []})
 
 

@@ -35,13 +35,13 @@ def parse(tok, **tensors):
 
 def test_valid_requests(tok):
     p = parse(tok, text_input=S("Hello world"))
-    assert p.prompt == tok.encode("Hello world") and p.stream
+    assert p.prompt == tok.encode("Hello world") and not p.stream  # stream defaults to false (one response)
     assert p.params.max_new_tokens == 16 and p.params.temperature == 0 and p.params.stop_token_ids == (2,)
-    p = parse(tok, input_ids=np.array([[5, 6, 7]], np.int32), max_tokens=np.array([9], np.int32),
+    p = parse(tok, input_ids=np.array([5, 6, 7], np.int64), max_tokens=np.array([9], np.int64),
               temperature=np.array([0.5], np.float32), top_p=np.array([0.8], np.float32),
-              top_k=np.array([4], np.int32), seed=np.array([7], np.int64), stop_words=S("\n\n", "END"),
-              stream=np.array([False]))
-    assert p.prompt == [5, 6, 7] and not p.stream
+              top_k=np.array([4], np.int64), seed=np.array([7], np.int64), stop_words=S("\n\n", "END"),
+              stream=np.array([True]))
+    assert p.prompt == [5, 6, 7] and p.stream
     sp = p.params
     assert (sp.max_new_tokens, sp.top_k, sp.seed, sp.stop_strings) == (9, 4, 7, ("\n\n", "END"))
     assert sp.temperature == pytest.approx(0.5) and sp.top_p == pytest.approx(0.8)
@@ -55,7 +55,12 @@ def test_valid_requests(tok):
     ({"text_input": S(b"\xff")}, "not valid UTF-8"),
     ({"input_ids": np.array([], np.int32)}, "'input_ids' is empty"),
     ({"input_ids": np.array([1.0], np.float32)}, "'input_ids' must be integers, got dtype float32"),
-    ({"input_ids": np.array([[1], [2]], np.int32)}, r"shape \[n\] or \[1, n\], got \[2, 1\]"),
+    ({"input_ids": np.array([[1], [2]], np.int32)},
+     r"'input_ids' must have 1 dimension\(s\) \(dims \[-1\]\), got shape \[2, 1\]"),
+    ({"input_ids": np.array([[1, 2]], np.int64)}, r"'input_ids' must have 1 dimension\(s\).*got shape \[1, 2\]"),
+    ({"input_ids": np.array([2**32 + 5], np.int64)}, r"ids \[4294967301\] outside the vocabulary"),
+    ({"text_input": S("a"), "max_tokens": np.array([2**40], np.int64)},
+     r"max_tokens=1099511627776 must be in \[1, 256\]"),
     ({"input_ids": np.array([3, VOCAB], np.int32)}, r"ids \[49152\] outside the vocabulary \[0, 49152\)"),
     ({"text_input": S("a"), "max_tokens": np.array([0], np.int32)}, r"max_tokens=0 must be in \[1, 256\]"),
     ({"text_input": S("a"), "max_tokens": np.array([2**31 - 1], np.int32)}, r"max_tokens=2147483647 must be in"),
@@ -76,6 +81,31 @@ def test_malformed_requests(tok, tensors, match):
         parse(tok, **tensors)
 
 
+def test_unknown_parameters_are_unknown_inputs(tok):
+    """Triton's HTTP generate endpoint passes JSON keys that are not inputs as request parameters."""
+    args = ({"text_input": S("a")}, tok, VOCAB, MAX_SEQ_LEN)
+    with pytest.raises(InvalidRequest, match=r"unknown inputs \['bogus', 'temprature'\]; accepted: \["):
+        parse_request(*args, parameters={"temprature": 0.5, "bogus": 1})
+    assert parse_request(*args, parameters={"triton_enable_empty_final_response": True}).prompt == tok.encode("a")
+
+
+def test_config_dims_are_the_shapes_parse_request_accepts(tok):
+    """config.pbtxt and parse_request agree: every input's dims in config.pbtxt is its INPUTS dims, and an array
+    of that rank passes the shape check while one more dimension is refused."""
+    import re
+
+    from trtllm_kivi.serving.protocol import INPUTS
+
+    text = config_pbtxt("m")
+    for name, (dt, dims, _, _) in INPUTS.items():
+        m = re.search(rf'name: "{name}" data_type: (\w+) dims: (\[[^]]*\])', text)
+        assert m and m.group(1) == dt and json.loads(m.group(2)) == dims, name
+    ok = parse(tok, input_ids=np.array([5, 6], np.int64), max_tokens=np.array([3], np.int64))
+    assert ok.prompt == [5, 6]
+    with pytest.raises(InvalidRequest, match="must have 1 dimension"):
+        parse(tok, input_ids=np.array([[5, 6]], np.int64))
+
+
 def test_response_arrays():
     r = response_arrays("héllo", [1, 2], "length")
     assert r["text_output"].dtype == object and r["text_output"][0].decode() == "héllo"
@@ -86,7 +116,8 @@ def test_response_arrays():
 def test_config_pbtxt_is_a_decoupled_python_model():
     text = config_pbtxt("m")
     assert 'backend: "python"' in text and "decoupled: true" in text and "max_batch_size: 0" in text
-    for name, dt in [("text_input", "TYPE_STRING"), ("input_ids", "TYPE_INT32"), ("max_tokens", "TYPE_INT32"),
+    for name, dt in [("text_input", "TYPE_STRING"), ("input_ids", "TYPE_INT64"), ("max_tokens", "TYPE_INT64"),
+                     ("top_k", "TYPE_INT64"),
                      ("temperature", "TYPE_FP32"), ("top_p", "TYPE_FP32"), ("seed", "TYPE_INT64"),
                      ("stop_words", "TYPE_STRING"), ("stream", "TYPE_BOOL"), ("text_output", "TYPE_STRING"),
                      ("output_ids", "TYPE_INT32")]:
@@ -126,3 +157,22 @@ def test_serving_config_validation():
         ServingConfig.from_json('{"model": "x", "oops": 1}')
     with pytest.raises(ValueError, match="must match"):
         write_repository("/tmp/unused", ServingConfig(model="x"), name="bad name")
+
+
+def test_client_types_follow_the_protocol_and_metrics_parse():
+    """serving/client.py sends every known input with its config.pbtxt type, and reads the model's metrics."""
+    from trtllm_kivi.serving.client import model_metrics, wire_array
+    from trtllm_kivi.serving.protocol import INPUTS
+
+    wire = {"TYPE_STRING": "BYTES", "TYPE_INT64": "INT64", "TYPE_FP32": "FP32", "TYPE_BOOL": "BOOL"}
+    values = {"text_input": ["hi"], "input_ids": [1, 2**40], "max_tokens": [3], "temperature": [0.5],
+              "top_p": [0.9], "top_k": [2], "seed": [7], "stop_words": ["x"], "stream": [True]}
+    for name, v in values.items():
+        arr, dt = wire_array(name, v)
+        assert dt == wire[INPUTS[name][0]], name
+    assert wire_array("input_ids", [1, 2**40])[0].tolist() == [1, 2**40]
+    assert wire_array("max_tokens", np.array([2.5], np.float32))[1] == "FP32"  # an explicit dtype is kept
+    text = ('# HELP trtllm_kivi_kv_slots_in_use slots\n# TYPE trtllm_kivi_kv_slots_in_use gauge\n'
+            'trtllm_kivi_kv_slots_in_use{model="a"} 2\ntrtllm_kivi_kv_slots_in_use{model="b"} 0\n'
+            'trtllm_kivi_requests_finished_total{model="a",reason="cancelled"} 3\nnv_inference_count{model="a"} 9\n')
+    assert model_metrics(text, "a") == {"kv_slots_in_use": 2.0, "requests_finished_total:cancelled": 3.0}

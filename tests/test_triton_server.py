@@ -22,6 +22,7 @@ import urllib.request
 import numpy as np
 import pytest
 
+from trtllm_kivi.serving.client import grpc_inputs, http_generate
 from trtllm_kivi.serving.server import SETUP, TritonEnv, TritonServer
 
 pytestmark = pytest.mark.triton
@@ -119,20 +120,8 @@ def offline():
 
 
 def _input(name: str, value) -> grpcclient.InferInput:
-    """Python values -> a Triton input: strings BYTES, ints INT32 (seed INT64), floats FP32, bools BOOL."""
-    arr = np.asarray(value)
-    if arr.dtype.kind in "USO":
-        # plain bytes: tritonclient serializes numpy.bytes_ items as their repr
-        arr = np.array([v.encode() if isinstance(v, str) else bytes(v) for v in arr.reshape(-1)], dtype=np.object_)
-    elif arr.dtype.kind in "iu" or arr.size == 0:
-        arr = arr.astype(np.int64 if name == "seed" else np.int32)
-    elif arr.dtype.kind == "f":
-        arr = arr.astype(np.float32)
-    dt = {"O": "BYTES", "i": {4: "INT32", 8: "INT64"}, "f": "FP32", "b": "BOOL"}[arr.dtype.kind]
-    dt = dt[arr.dtype.itemsize] if isinstance(dt, dict) else dt
-    i = grpcclient.InferInput(name, list(arr.shape), dt)
-    i.set_data_from_numpy(arr)
-    return i
+    """A Triton input of the type config.pbtxt declares (serving/client.py; a numpy array keeps its dtype)."""
+    return grpc_inputs({name: value})[0]
 
 
 def stream_requests(server, requests: list[dict], timeout: float = 120.0, model: str = MODEL) -> dict[str, dict]:
@@ -184,7 +173,7 @@ def _error_request_id(error, pending: set[str]) -> str:
 def test_concurrent_streaming_requests_match_offline(server, offline):
     tok, run = offline
     n = [16, 24, 12, 20, 8, 16]
-    got = stream_requests(server, [{"text_input": [p], "max_tokens": [k]}
+    got = stream_requests(server, [{"text_input": [p], "max_tokens": [k], "stream": [True]}
                                    for p, k in zip(PROMPTS, n)])
     for i, (p, k) in enumerate(zip(PROMPTS, n)):
         ref = run(tok.encode(p), max_new_tokens=k)
@@ -202,15 +191,16 @@ def test_input_ids_seeded_sampling_and_stop_words(server, offline):
     stop = greedy.text[len(tok.decode(greedy.tokens[:4])):][:3]
     sampled = run(ids, max_new_tokens=12, temperature=0.8, top_p=0.9, seed=1234)
     reqs = [
-        {"input_ids": ids, "max_tokens": [24], "stop_words": [stop]},
-        {"input_ids": ids, "max_tokens": [12], "temperature": [0.8], "top_p": [0.9], "seed": [1234]},
+        {"input_ids": ids, "max_tokens": [24], "stop_words": [stop], "stream": [True]},
         {"input_ids": ids, "max_tokens": [12], "temperature": [0.8], "top_p": [0.9], "seed": [1234],
-         "stream": [False]},
+         "stream": [True]},
+        {"input_ids": ids, "max_tokens": [12], "temperature": [0.8], "top_p": [0.9], "seed": [1234]},
     ]
     got = stream_requests(server, reqs)
     assert got["0"]["finish"] == "stop" and got["0"]["text"] == greedy.text[:greedy.text.find(stop)]
     assert got["1"]["ids"] == sampled.tokens and got["1"]["text"] == sampled.text
-    assert got["2"]["ids"] == sampled.tokens and got["2"]["responses"] == 1  # stream=false: one final response
+    assert got["1"]["responses"] >= len(sampled.tokens)  # stream=true: one response per token
+    assert got["2"]["ids"] == sampled.tokens and got["2"]["responses"] == 1  # default stream=false: one response
 
 
 MALFORMED = [
@@ -227,8 +217,16 @@ MALFORMED = [
     ({"input_ids": []}, "'input_ids' is empty"),
     ({"text_input": [b"\xff\xfe"]}, "not valid UTF-8"),
     ({"input_ids": list(range(1, 101)), "max_tokens": [100]}, "needs 199 cache positions"),
-    ({"text_input": ["hi"], "max_tokens": [2.5]}, "data-type is 'FP32', but model 'trtllm_kivi' expects 'INT32'"),
+    ({"text_input": ["hi"], "max_tokens": np.array([2.5], np.float32)},
+     "data-type is 'FP32', but model 'trtllm_kivi' expects 'INT64'"),
     ({"text_input": ["hi"], "bogus": [1]}, "unexpected inference input 'bogus'"),
+    # issue 14: the shape config.pbtxt declares is the one the model parses; large integers are not truncated
+    ({"input_ids": [[1, 2, 3]]}, r"unexpected shape for input 'input_ids' for model 'trtllm_kivi'. Expected \[-1\], "
+                                 r"got \[1,3\]"),
+    ({"text_input": ["hi"], "max_tokens": [2**40]}, r"max_tokens=1099511627776 must be in \[1, 160\]"),
+    ({"input_ids": [2**32 + 5]}, r"ids \[4294967301\] outside the vocabulary \[0, 49152\)"),
+    ({"input_ids": list(range(1, 301))}, r"the prompt has 300 tokens; a sequence holds at most max_seq_len=160 tokens "
+                                         r"\(prompt \+ max_new_tokens - 1\), so the prompt must be 1\.\.160 tokens"),
 ]
 
 
@@ -260,6 +258,65 @@ def test_http_generate_endpoint(server, offline):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(bad, timeout=60)
     assert "'text_input' is empty" in e.value.read().decode()
+
+
+def test_http_generate_plain_request(server, offline):
+    """Issue 14 (2): the obvious request -- no "stream" key -- gets one JSON response with the whole output."""
+    tok, run = offline
+    ref = run(tok.encode(PROMPTS[2]), max_new_tokens=12)
+    r = http_generate(server.http_url, MODEL, {"text_input": PROMPTS[2], "max_tokens": 12})
+    assert (r.status, r.error) == (200, None)
+    assert r.ids == ref.tokens and r.text == ref.text and r.finish == "length"
+
+
+HTTP_MALFORMED = [  # issue 14 (1), (4), (5) over the HTTP generate endpoint: status and message
+    ({"text_input": "hi", "bogus": 1}, 400, r"invalid request: unknown inputs \['bogus'\]; accepted: \['input_ids', "),
+    ({"text_input": "hi", "temprature": 0.5, "max_tokens": 4}, 400, r"unknown inputs \['temprature'\]"),
+    ({"text_input": "hi", "max_tokens": 2**40}, 400, r"max_tokens=1099511627776 must be in \[1, 160\]"),
+    ({"text_input": "hi", "top_k": -2**40}, 400, r"top_k=-1099511627776 must be >= 0"),
+    ({"input_ids": [5, 2**32 + 5]}, 400, r"ids \[4294967301\] outside the vocabulary \[0, 49152\)"),
+    ({"text_input": "hi " * 400}, 400, r"the prompt has 401 tokens; a sequence holds at most max_seq_len=160 tokens "
+                                      r"\(prompt \+ max_new_tokens - 1\), so the prompt must be 1\.\.160 tokens"),
+    ({"text_input": "hi " * 100, "max_tokens": 100}, 400,
+     r"prompt of 101 tokens \+ max_new_tokens=100 needs 200 cache positions; a sequence holds at most "
+     r"max_seq_len=160 \(max_new_tokens allowed for this prompt: 1\.\.60\)"),
+    ({"text_input": ""}, 400, "'text_input' is empty"),
+]
+
+
+@pytest.mark.parametrize("body, status, match", HTTP_MALFORMED)
+def test_http_generate_refuses_bad_requests(server, body, status, match):
+    r = http_generate(server.http_url, MODEL, body, timeout=60)
+    assert r.status == status and r.error is not None, (r.status, r.error)
+    assert re.search(match, r.error), f"{body}: {r.error!r} does not match {match!r}"
+
+
+def test_http_input_ids_shape_agrees_with_config(server, offline):
+    """Issue 14 (3): config.pbtxt declares input_ids dims [-1] and the model parses exactly that: [n] works over
+    HTTP and gRPC, [1, n] is refused before the model (by Triton's shape check, naming the input)."""
+    tok, run = offline
+    ids = tok.encode(PROMPTS[3])
+    ref = run(ids, max_new_tokens=6)
+    assert http_generate(server.http_url, MODEL, {"input_ids": ids, "max_tokens": 6}).ids == ref.tokens
+    assert stream_requests(server, [{"input_ids": ids, "max_tokens": [6]}])["0"]["ids"] == ref.tokens
+    r = http_generate(server.http_url, MODEL, {"input_ids": [ids], "max_tokens": 6})
+    assert r.status >= 400 and ("input_ids" in r.error or "Shape does not match" in r.error), (r.status, r.error)
+    assert server.live() and server.ready()
+
+
+def test_grpc_unknown_parameters_are_refused(server):
+    """Issue 14 (1) over gRPC: a request parameter the model does not take is refused like an unknown input."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    q: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    try:
+        client.async_stream_infer(MODEL, grpc_inputs({"text_input": ["hi"], "max_tokens": [3]}),
+                                  parameters={"bogus": 1})
+        result, error = q.get(timeout=60)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert error is not None and re.search(r"unknown inputs \['bogus'\]", str(error)), (result, error)
 
 
 def test_concurrent_clients_in_threads(server, offline):

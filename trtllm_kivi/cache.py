@@ -12,7 +12,8 @@ All buffers are preallocated for the capacity given at construction; nothing gro
 
 `cache.attention` is the one attention entry point; an attention backend computes it (BACKENDS):
     reference  the executable spec (reference.kivi_attention_): dequantizes the whole history every step
-    memo       reference append + memoized dequantized history: bit-identical to reference, the CPU default
+    memo       reference append + memoized dequantized history: bit-identical to reference (CPU fallback)
+    cpu        the native CPU kernels through their C ABI (cpu.ops): the default on the CPU when built
     cuda       the CUDA kernels through their C ABI (cuda.ops): the default on a CUDA device
 default_backend(device) picks the fastest one available.
 """
@@ -289,8 +290,40 @@ class CudaBackend(AttentionBackend):
                                     check=False)
 
 
+class CpuBackend(AttentionBackend):
+    """The native CPU kernels (plugins/cpu: AVX-512 / AVX2 / portable, multithreaded) through their C ABI:
+    cpu.ops.kivi_attention_cpu_ (stores bit-exact with reference; attention within tests/test_cpu_native.py's
+    tolerance)."""
+
+    name = "cpu"
+
+    @classmethod
+    def unavailable(cls, cfg: KiviConfig, device: torch.device, dtype: torch.dtype) -> str | None:
+        return _cpu_unavailable(device)
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        from .cpu.ops import kivi_attention_cpu_
+
+        c = self.cache
+        return kivi_attention_cpu_(q.contiguous(), k.contiguous(), v.contiguous(), step.slot_ids, step.past_len,
+                                   step.chunk_len, step.block_table, c.layers[layer], c.cfg)
+
+
+def _cpu_unavailable(device: torch.device, head_dim: int | None = None) -> str | None:
+    """Why the native CPU kernels cannot serve a cache on `device` (None: they can)."""
+    if device.type != "cpu":
+        return f"the cpu backend needs device cpu; the cache is on {device}"
+    if head_dim is not None and head_dim not in (64, 128):
+        return f"the native CPU kernels take head_dim 64 or 128, not {head_dim}"
+    from .cpu import available
+
+    if not available():
+        return "the native CPU library is not built (build_scripts/build_cpu_kernels.sh)"
+    return None
+
+
 BACKENDS: dict[str, type[AttentionBackend]] = {"reference": ReferenceBackend, "memo": MemoBackend,
-                                               "cuda": CudaBackend}
+                                               "cpu": CpuBackend, "cuda": CudaBackend}
 BACKEND_CHOICES = ("auto", "reference", "memo", "cpu", "cuda")
 
 
@@ -299,24 +332,44 @@ def register_backend(cls: type[AttentionBackend]) -> None:
     BACKENDS[cls.name] = cls
 
 
-def default_backend(cfg: KiviConfig, device: str | torch.device, dtype: torch.dtype = torch.float16) -> str:
-    """The fastest backend available for `cfg` on `device`: cuda on a CUDA device (when built), else memo."""
+_WARNED_NO_CPU = [False]
+
+
+def _why_not(name: str, cfg: KiviConfig, device: torch.device, dtype: torch.dtype,
+             head_dim: int | None) -> str | None:
+    why = BACKENDS[name].unavailable(cfg, device, dtype)
+    if why is None and name == "cpu":  # the native CPU kernels instantiate head_dim 64 and 128
+        why = _cpu_unavailable(device, head_dim)
+    return why
+
+
+def default_backend(cfg: KiviConfig, device: str | torch.device, dtype: torch.dtype = torch.float16,
+                    head_dim: int | None = None) -> str:
+    """The fastest backend available for `cfg` on `device`: cuda on a CUDA device (when built), the native cpu
+    kernels on the CPU (when built; benchmarks/results/cpu_attention_op.json), else memo (with a one-line warning
+    on the CPU, once per process)."""
     device = torch.device(device)
     for name in ("cuda", "cpu"):
-        if name in BACKENDS and BACKENDS[name].unavailable(cfg, device, dtype) is None:
+        if name in BACKENDS and _why_not(name, cfg, device, dtype, head_dim) is None:
             return name
+    why = _cpu_unavailable(device)
+    if device.type == "cpu" and why and not _WARNED_NO_CPU[0]:  # library missing: say so once
+        import sys
+
+        _WARNED_NO_CPU[0] = True
+        print(f"trtllm-kivi: warning: {why}; using the slower memo attention backend", file=sys.stderr)
     return "memo"
 
 
 def resolve_backend(name: str | None, cfg: KiviConfig, device: str | torch.device,
-                    dtype: torch.dtype = torch.float16) -> str:
+                    dtype: torch.dtype = torch.float16, head_dim: int | None = None) -> str:
     """A --attention-backend choice ("auto"/None = default_backend) checked for `cfg` on `device`."""
     if name in (None, "auto"):
-        return default_backend(cfg, device, dtype)
+        return default_backend(cfg, device, dtype, head_dim)
     if name not in BACKENDS:
         allowed = ", ".join(["auto", *BACKENDS])
         raise ValueError(f"attention backend {name!r} is not available; allowed: {allowed}")
-    why = BACKENDS[name].unavailable(cfg, torch.device(device), dtype)
+    why = _why_not(name, cfg, torch.device(device), dtype, head_dim)
     if why:
         raise ValueError(f"attention backend {name!r} cannot serve this cache: {why}")
     return name
@@ -336,7 +389,8 @@ class KiviCache(KVCache):
         cfg.check_head_dim(geom.head_dim)
         cfg.check_num_layers(geom.num_layers)
         self.cfg = self.kivi_config = cfg
-        self.backend: AttentionBackend = BACKENDS[resolve_backend(backend, cfg, self.device, dtype)](self)
+        self.backend: AttentionBackend = BACKENDS[resolve_backend(backend, cfg, self.device, dtype,
+                                                                  geom.head_dim)](self)
         self.max_blocks_per_seq = cfg.max_blocks_per_seq(max_seq_len)
         self.num_blocks = max_slots * self.max_blocks_per_seq if num_blocks is None else num_blocks
         if self.num_blocks <= 0:
@@ -419,20 +473,39 @@ class KiviCache(KVCache):
 
 
 class FullCache(KVCache):
-    """Unquantized (fp16/bf16/fp32) cache with KiviCache's interface: the baseline."""
+    """Unquantized (fp16/bf16/fp32) cache with KiviCache's interface: the baseline. backend "torch" (plain torch
+    attention) or "cpu" (the native CPU kernels, cpu.ops.full_attention_cpu_: the same treatment as the KIVI cache's
+    cpu backend, so comparisons are fair); None / "auto": cpu when available, else torch."""
 
     def __init__(self, geom: Geometry, max_slots: int, max_seq_len: int, dtype: torch.dtype = torch.float16,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", backend: str | None = None) -> None:
         super().__init__(geom, max_slots, max_seq_len, dtype, device)
         shape = (max_slots, geom.num_kv_heads, max_seq_len, geom.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(geom.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(geom.num_layers)]
+        why = _cpu_unavailable(self.device, geom.head_dim)
+        if backend in (None, "auto"):
+            backend = "cpu" if why is None else "torch"
+        if backend not in ("torch", "cpu"):
+            raise ValueError(f"FullCache backend {backend!r} is not available; allowed: auto, torch, cpu")
+        if backend == "cpu" and why:
+            raise ValueError(f"FullCache backend 'cpu' cannot serve this cache: {why}")
+        self._backend = backend
+
+    @property
+    def backend_name(self) -> str:
+        return self._backend
 
     def begin_step(self, slots: Sequence[int], chunk_lens: Sequence[int]) -> Step:
         self._check_step(slots, chunk_lens)
         return self._make_step(slots, chunk_lens, torch.zeros((len(slots), 0), dtype=torch.int32))
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        if self._backend == "cpu":
+            from .cpu.ops import full_attention_cpu_
+
+            return full_attention_cpu_(q.contiguous(), k.contiguous(), v.contiguous(), step.slot_ids, step.past_len,
+                                       step.chunk_len, self.k[layer], self.v[layer])
         out = torch.empty_like(q)
         offset = 0
         for slot, s, c in zip(step.slots, step.past, step.chunk, strict=True):

@@ -125,9 +125,9 @@ class _Graph:
         xf = self.op1("Cast", x, to=TensorProto.FLOAT)
         return self.op1("Cast", self.op1("MatMul", xf, "hadamard"), to=self.act)
 
-    def linear(self, x: str, w: str) -> str:
-        """x [T, in] @ w[out, in]^T: Gemm(transB) keeps torch's weight layout."""
-        return self.op1("Gemm", x, w, transB=1)
+    def linear(self, x: str, w: str, b: str | None = None) -> str:
+        """x [T, in] @ w[out, in]^T (+ b [out]): Gemm(transB) keeps torch's weight layout."""
+        return self.op1("Gemm", x, w, *([b] if b else []), transB=1)
 
 
 def _w(p) -> torch.Tensor:
@@ -189,7 +189,8 @@ def export_llama(model, cfg: KiviConfig, spec: ExportSpec) -> onnx.ModelProto:
             outputs.append(helper.make_tensor_value_info(pn, ONNX_DTYPES[dtypes[name]], list(shapes[name])))
 
         hn = g.rms_norm(x, g.weight(p + "attn_norm.weight", blk.attn_norm.weight), mc.norm_eps)
-        qkv = g.linear(hn, g.weight(p + "attn.wqkv.weight", _w(blk.attn.wqkv)))
+        bqkv = None if blk.attn.bqkv is None else g.weight(p + "attn.bqkv.bias", blk.attn.bqkv)  # Qwen2
+        qkv = g.linear(hn, g.weight(p + "attn.wqkv.weight", _w(blk.attn.wqkv)), bqkv)
         q, k, v = g.op("Split", [qkv, "qkv_split"], 3, axis=-1)
         q, k = g.rope(q, h, d, cos, sin), g.rope(k, hkv, d, cos, sin)
         v = g.op1("Reshape", v, f"shape_h{hkv}")

@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=DEFAULT_MODEL_NAME, help=f"model name in the repository (default "
                    f"{DEFAULT_MODEL_NAME})")
     flags.add_capacity(p, 8, 1024, 512, 128, aliases=True)  # --max-slots / --max-batch-tokens: old names
+    p.add_argument("--num-blocks", type=int, help="KIVI block pool size for --model (default: enough for every slot "
+                   "at --max-seq-len); fewer blocks make requests wait for blocks (admission reserves each "
+                   "request's worst case)")
     p.add_argument("--default-max-tokens", type=int, default=64, help="max_tokens when a request gives none")
     flags.add_dtype(p, "float32", "model dtype for --model")
     flags.add_device(p)
@@ -38,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "$TRTLLM_KIVI_TRITON_ENV or ~/.cache/trtllm-kivi/triton-venv)")
     p.add_argument("--http-port", type=int, help="with --launch (default: a free port)")
     p.add_argument("--grpc-port", type=int, help="with --launch (default: a free port)")
+    p.add_argument("--metrics-port", type=int, help="with --launch: Prometheus metrics, incl. the KV cache usage "
+                   "(default: a free port)")
     flags.add_kv(p)
 
 
@@ -56,7 +61,7 @@ def serving_config(args: argparse.Namespace) -> ServingConfig:
         model = str(resolve_model(args.model).resolve())
     return ServingConfig(model=model, engine=engine, kv=kv.name, kv_options=flags.kv_options(args) if model else {},
                          dtype=args.dtype, device=args.device, max_slots=args.max_batch_size,
-                         max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
+                         max_seq_len=args.max_seq_len, num_blocks=args.num_blocks, prefill_chunk=args.prefill_chunk,
                          max_batch_tokens=args.max_num_tokens, default_max_tokens=args.default_max_tokens,
                          num_threads=args.threads, attention_backend=args.attention_backend)
 
@@ -73,10 +78,11 @@ def run(args: argparse.Namespace) -> int:
     from ..serving.server import TritonEnv, TritonServer
 
     server = TritonServer(folder.parent, TritonEnv.find(args.triton_env), http_port=args.http_port,
-                          grpc_port=args.grpc_port)
+                          grpc_port=args.grpc_port, metrics_port=args.metrics_port)
     print(f"starting tritonserver (log: {server.log_file}) ...", flush=True)
     server.start()
-    print(f"ready: HTTP {server.http_url}, gRPC {server.grpc_url}; model {args.name!r}. Ctrl-C stops it.",
+    print(f"ready: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}/metrics; model "
+          f"{args.name!r}. Ctrl-C stops it.",
           flush=True)
     try:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

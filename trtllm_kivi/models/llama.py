@@ -1,5 +1,6 @@
 """A compact Llama (gpt-fast style): RMSNorm, RoPE (rope_theta, linear / Llama-3 scaling), GQA attention whose K/V
-live in a KV cache (trtllm_kivi.cache: KiviCache or FullCache), SwiGLU MLP, tied or untied embeddings.
+live in a KV cache (trtllm_kivi.cache: KiviCache or FullCache), SwiGLU MLP, tied or untied embeddings; optional
+q/k/v projection biases (the Qwen2 family: a Llama with `qkv_bias`).
 
 A forward pass runs one step of a ragged batch: the tokens of all sequences are concatenated ([T] ids, T = sum of
 the chunk lengths), every op except attention is per token, and attention is the cache's
@@ -40,6 +41,7 @@ class ModelConfig:
     rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...} or None
     max_seq_len: int = 2048  # max_position_embeddings
     tie_embeddings: bool = False  # tie_word_embeddings
+    qkv_bias: bool = False  # biases on q_proj/k_proj/v_proj (Qwen2; o_proj and the MLP have none)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "llama"
@@ -118,11 +120,13 @@ class Attention(nn.Module):
         super().__init__()
         self.h, self.hkv, self.d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wqkv = _weight((self.h + 2 * self.hkv) * self.d, cfg.dim)  # rows: q | k | v
+        self.bqkv = _weight((self.h + 2 * self.hkv) * self.d) if cfg.qkv_bias else None  # q | k | v, or None
         self.wo = _weight(cfg.dim, self.h * self.d)
 
     def forward(self, x, cos, sin, layer: int, cache, step) -> torch.Tensor:  # x [T, dim]
         t = x.shape[0]
-        q, k, v = F.linear(x, self.wqkv).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k, v = F.linear(x, self.wqkv, self.bqkv).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d],
+                                                         dim=-1)
         q = apply_rope(q.view(t, self.h, self.d), cos, sin)  # [T, H, D]
         k = apply_rope(k.view(t, self.hkv, self.d), cos, sin)  # [T, Hkv, D]
         v = v.view(t, self.hkv, self.d)
@@ -205,7 +209,7 @@ class LlamaModel(nn.Module):
 
     @staticmethod
     def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-        """Every tensor a Hugging Face Llama checkpoint must have, with its shape."""
+        """Every tensor a Hugging Face Llama (or, with qkv_bias, Qwen2) checkpoint must have, with its shape."""
         h, hkv, d, dim, f = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim, cfg.ffn_dim
         shapes = {"model.embed_tokens.weight": (cfg.vocab_size, dim), "model.norm.weight": (dim,)}
         if not cfg.tie_embeddings:
@@ -217,6 +221,9 @@ class LlamaModel(nn.Module):
                        p + "self_attn.v_proj.weight": (hkv * d, dim), p + "self_attn.o_proj.weight": (dim, h * d),
                        p + "mlp.gate_proj.weight": (f, dim), p + "mlp.up_proj.weight": (f, dim),
                        p + "mlp.down_proj.weight": (dim, f)}
+            if cfg.qkv_bias:
+                shapes |= {p + "self_attn.q_proj.bias": (h * d,), p + "self_attn.k_proj.bias": (hkv * d,),
+                           p + "self_attn.v_proj.bias": (hkv * d,)}
         return shapes
 
     @classmethod
@@ -230,7 +237,8 @@ class LlamaModel(nn.Module):
         ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()  # some tied checkpoints still store it
         unknown = [n for n in sd if n not in expected and n not in ignored and not n.endswith("rotary_emb.inv_freq")]
         if unknown:
-            raise ValueError(f"checkpoint has unsupported tensor(s) {unknown[:3]} (not a plain Llama)")
+            raise ValueError(f"checkpoint has unsupported tensor(s) {unknown[:3]} (not a plain Llama or Qwen2 "
+                             f"checkpoint of its config.json / GGUF architecture)")
         for n, shape in expected.items():
             if tuple(sd[n].shape) != shape:
                 raise ValueError(f"tensor {n} has shape {tuple(sd[n].shape)}, expected {shape}")
@@ -243,11 +251,14 @@ class LlamaModel(nn.Module):
         put(model.norm.weight, "model.norm.weight")
         if model.lm_head is not None:
             put(model.lm_head, "lm_head.weight")
-        for i, b in enumerate(model.layers):
+        blocks: list[Block] = list(model.layers)  # type: ignore[arg-type]  # an nn.ModuleList of Block
+        for i, b in enumerate(blocks):
             p = f"model.layers.{i}."
             put(b.attn_norm.weight, p + "input_layernorm.weight")
             put(b.mlp_norm.weight, p + "post_attention_layernorm.weight")
             put(b.attn.wqkv, *(p + f"self_attn.{x}_proj.weight" for x in "qkv"))
+            if b.attn.bqkv is not None:
+                put(b.attn.bqkv, *(p + f"self_attn.{x}_proj.bias" for x in "qkv"))
             put(b.attn.wo, p + "self_attn.o_proj.weight")
             put(b.mlp.w13, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
             put(b.mlp.w2, p + "mlp.down_proj.weight")

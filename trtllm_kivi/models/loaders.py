@@ -75,14 +75,43 @@ def _required(conf: dict, key: str, where: str):
     return conf[key]
 
 
-def config_from_hf(conf: dict, where: str = "config.json") -> ModelConfig:
-    """ModelConfig from a Hugging Face config.json dict (LlamaConfig; rope_scaling or transformers 5's
-    rope_parameters)."""
+# Hugging Face architectures: model_type -> (class name, whether q/k/v carry biases). Qwen2 is a Llama with q/k/v
+# biases (o_proj and the MLP have none), usually a large rope_theta and often tied embeddings.
+HF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", False), "qwen2": ("Qwen2ForCausalLM", True)}
+
+
+def _hf_arch(conf: dict, where: str) -> str:
     arch = conf.get("architectures") or []
-    if conf.get("model_type") != "llama" and "LlamaForCausalLM" not in arch:
-        raise ValueError(f"{where}: architecture model_type={conf.get('model_type')!r} architectures={arch} is "
-                         f"not supported; allowed: llama (LlamaForCausalLM)")
-    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+    for model_type, (cls, _) in HF_ARCHITECTURES.items():
+        if conf.get("model_type") == model_type or cls in arch:
+            return model_type
+    allowed = ", ".join(f"{t} ({c})" for t, (c, _) in HF_ARCHITECTURES.items())
+    raise ValueError(f"{where}: architecture model_type={conf.get('model_type')!r} architectures={arch} is "
+                     f"not supported; allowed: {allowed}")
+
+
+def _check_full_attention(conf: dict, where: str) -> None:
+    """Refuse sliding-window attention (every layer must attend to the whole context), naming the field."""
+    if conf.get("use_sliding_window"):
+        raise ValueError(f"{where}: use_sliding_window={conf['use_sliding_window']!r} is not supported (sliding-"
+                         f"window attention); allowed: false")
+    types = conf.get("layer_types") or []
+    bad = [(i, t) for i, t in enumerate(types) if t != "full_attention"]
+    if bad:
+        raise ValueError(f"{where}: layer_types[{bad[0][0]}]={bad[0][1]!r} is not supported; allowed: "
+                         f"'full_attention' for every layer")
+
+
+def config_from_hf(conf: dict, where: str = "config.json") -> ModelConfig:
+    """ModelConfig from a Hugging Face config.json dict (LlamaConfig or Qwen2Config; rope_scaling or
+    transformers 5's rope_parameters)."""
+    model_type = _hf_arch(conf, where)
+    qkv_bias = HF_ARCHITECTURES[model_type][1]
+    checks = [("hidden_act", "silu"), ("mlp_bias", False)]
+    if model_type == "llama":
+        checks.append(("attention_bias", False))
+    _check_full_attention(conf, where)
+    for key, ok in checks:
         if conf.get(key, ok) != ok:
             raise ValueError(f"{where}: {key}={conf[key]!r} is not supported; allowed: {ok!r}")
     dim, heads = _required(conf, "hidden_size", where), _required(conf, "num_attention_heads", where)
@@ -98,8 +127,8 @@ def config_from_hf(conf: dict, where: str = "config.json") -> ModelConfig:
         norm_eps=float(conf.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), rope_scaling=scaling,
         max_seq_len=conf.get("max_position_embeddings", 2048),
         tie_embeddings=bool(conf.get("tie_word_embeddings", False)), bos_token_id=conf.get("bos_token_id"),
-        eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
-        name=conf.get("_name_or_path") or "llama")
+        eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]), qkv_bias=qkv_bias,
+        name=conf.get("_name_or_path") or model_type)
 
 
 def read_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -172,32 +201,40 @@ _GGUF_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
                "ffn_down": "mlp.down_proj"}
 
 
+GGUF_ARCHITECTURES = ("llama", "qwen2")  # general.architecture values; metadata keys are prefixed with it
+
+
 def config_from_gguf(fields: dict, where: str, n_vocab: int | None = None) -> ModelConfig:
     """ModelConfig from GGUF metadata (n_vocab: the embedding rows, when the metadata does not say)."""
     arch = fields.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{where}: general.architecture={arch!r} is not supported; allowed: 'llama'")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{where}: general.architecture={arch!r} is not supported; allowed: "
+                         f"{', '.join(repr(a) for a in GGUF_ARCHITECTURES)}")
 
     def get(key: str, default=None):
-        if f"llama.{key}" not in fields and default is None:
-            raise ValueError(f"{where} is missing the metadata key 'llama.{key}'")
-        return fields.get(f"llama.{key}", default)
+        if f"{arch}.{key}" not in fields and default is None:
+            raise ValueError(f"{where} is missing the metadata key '{arch}.{key}'")
+        return fields.get(f"{arch}.{key}", default)
 
+    window = int(get("attention.sliding_window", 0))  # a window that covers the whole context is full attention
+    if 0 < window < int(get("context_length", 2048)):
+        raise ValueError(f"{where}: {arch}.attention.sliding_window={window} < {arch}.context_length is not "
+                         f"supported (sliding-window attention); allowed: absent or >= the context length")
     dim, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", dim // heads))
     if int(get("attention.value_length", head_dim)) != head_dim:
-        raise ValueError(f"{where}: llama.attention.value_length={get('attention.value_length')} != key_length="
+        raise ValueError(f"{where}: {arch}.attention.value_length={get('attention.value_length')} != key_length="
                          f"{head_dim} is not supported")
     if int(get("rope.dimension_count", head_dim)) != head_dim:
-        raise ValueError(f"{where}: llama.rope.dimension_count={get('rope.dimension_count')} != head_dim="
+        raise ValueError(f"{where}: {arch}.rope.dimension_count={get('rope.dimension_count')} != head_dim="
                          f"{head_dim} (partial rotary embeddings are not supported)")
     scaling = None
     if get("rope.scaling.type", "none") == "linear":
         scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     elif get("rope.scaling.type", "none") not in ("none", "llama3"):  # llama3 comes as the rope_freqs tensor
-        raise ValueError(f"{where}: llama.rope.scaling.type={get('rope.scaling.type')!r} is not supported; "
+        raise ValueError(f"{where}: {arch}.rope.scaling.type={get('rope.scaling.type')!r} is not supported; "
                          f"allowed: none, linear, llama3")
-    n_vocab = fields.get("llama.vocab_size") or n_vocab or len(fields.get("tokenizer.ggml.tokens", []))
+    n_vocab = fields.get(f"{arch}.vocab_size") or n_vocab or len(fields.get("tokenizer.ggml.tokens", []))
     eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in fields]
     return ModelConfig(
         vocab_size=int(n_vocab), dim=dim, n_layers=int(get("block_count")), n_heads=heads,
@@ -205,11 +242,13 @@ def config_from_gguf(fields: dict, where: str, n_vocab: int | None = None) -> Mo
         ffn_dim=int(get("feed_forward_length")), norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
         max_seq_len=int(get("context_length", 2048)), bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(eos)), name=str(fields.get("general.name", Path(where).stem)))
+        eos_token_ids=tuple(dict.fromkeys(eos)), name=str(fields.get("general.name", Path(where).stem)),
+        qkv_bias=arch == "qwen2")
 
 
 def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and Hugging Face-named fp32 weights of a GGUF Llama (dequantized; Q/K rows un-permuted)."""
+    """Config and Hugging Face-named fp32 weights of a GGUF Llama or Qwen2 (dequantized; a Llama's Q/K rows
+    un-permuted)."""
     cfg, sd, _ = _read_gguf(Path(path))
     return cfg, sd
 
@@ -236,12 +275,14 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
             cfg.extra["rope_freqs"] = w.reshape(-1)
         elif t.name in _GGUF_GLOBAL:
             sd[_GGUF_GLOBAL[t.name]] = w
-        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_BLOCK and parts[3] == "weight":
-            sd[f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.weight"] = w
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_BLOCK and parts[3] in ("weight", "bias"):
+            sd[f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.{parts[3]}"] = w  # biases: Qwen2's attn_q/k/v
         else:
             sd[t.name] = w  # reported as unsupported by from_hf_state_dict
     cfg.tie_embeddings = "lm_head.weight" not in sd
-    for n, w in sd.items():  # llama.cpp permuted q/k rows for its interleaved RoPE
+    if fields.get("general.architecture") != "llama":  # llama.cpp runs Qwen2 with NEOX (half-split) RoPE: as HF
+        return cfg, sd, fields
+    for n, w in sd.items():  # llama.cpp permuted a Llama's q/k rows for its interleaved RoPE
         heads = cfg.n_heads if n.endswith("q_proj.weight") else cfg.n_kv_heads if n.endswith("k_proj.weight") else 0
         if heads and w.dim() == 2 and w.shape[0] == heads * cfg.head_dim:  # other shapes: reported later
             sd[n] = _unpermute(w, heads)

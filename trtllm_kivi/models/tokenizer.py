@@ -18,8 +18,10 @@ _CONTROL, _USER_DEFINED = 3, 4
 # smollm/starcoder/refact split every digit; llama-bpe (Llama 3) uses its own regex instead of GPT-2's.
 _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
+# qwen2 (Qwen2/Qwen2.5's tokenizer.json) is the Llama-3 regex with single digits, merges applied to whole words too.
+_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 _GGUF_PRE = {"default": None, "gpt2": None, "gpt-2": None, "smollm": "digits", "starcoder": "digits",
-             "refact": "digits", "llama-bpe": "llama3", "llama3": "llama3"}
+             "refact": "digits", "llama-bpe": "llama3", "llama3": "llama3", "qwen2": "qwen2"}
 
 
 class Tokenizer:
@@ -106,10 +108,10 @@ class Tokenizer:
         if kind != "gpt2":
             raise ValueError(f"GGUF tokenizer.ggml.model={kind!r} is not supported; allowed: 'gpt2' (byte-level "
                              f"BPE)")
-        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
-            if key not in fields:
-                raise ValueError(f"GGUF file has no {key} (needed to build the tokenizer)")
-        tokens, merges = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.merges"]
+        if "tokenizer.ggml.tokens" not in fields:
+            raise ValueError("GGUF file has no tokenizer.ggml.tokens (needed to build the tokenizer)")
+        # No merges: a pure byte vocabulary (the gguf writer drops an empty merges array).
+        tokens, merges = fields["tokenizer.ggml.tokens"], fields.get("tokenizer.ggml.merges", [])
         types = fields.get("tokenizer.ggml.token_type", [1] * len(tokens))
         pre = fields.get("tokenizer.ggml.pre", "default")
         if pre not in _GGUF_PRE:
@@ -117,12 +119,14 @@ class Tokenizer:
         tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
                                      merges=[tuple(m.split(" ", 1)) for m in merges],
                                      ignore_merges=_GGUF_PRE[pre] == "llama3"))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=_GGUF_PRE[pre] != "llama3")
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=_GGUF_PRE[pre] not in
+                                              ("llama3", "qwen2"))
         if _GGUF_PRE[pre] == "digits":
             tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        elif _GGUF_PRE[pre] == "llama3":
+        elif _GGUF_PRE[pre] in ("llama3", "qwen2"):
+            regex = _LLAMA3_REGEX if _GGUF_PRE[pre] == "llama3" else _QWEN2_REGEX
             tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated"), byte_level])
+                [pre_tokenizers.Split(Regex(regex), behavior="isolated"), byte_level])
         else:
             tok.pre_tokenizer = byte_level
         tok.decoder = decoders.ByteLevel()

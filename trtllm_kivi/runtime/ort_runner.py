@@ -1,6 +1,7 @@
 """The onnxruntime runner: an exported graph (trtllm_kivi.builder) on the CPU, its KiviAttention nodes running the
-reference op (runtime.ort_session). The runner owns the cache as a KiviCache (same slot/block bookkeeping as the
-torch runner), feeds every buffer to the graph as past.* each step and copies the present.* outputs back into it.
+op (runtime.ort_session: native CPU kernels when built, else the reference op). The runner owns the cache as a
+KiviCache (same slot/block bookkeeping as the torch runner); the session's attention nodes update its buffers in
+place (ort_session's in-place form: no per-step copy of the cache through onnxruntime).
 What the graph was built for comes from an op.GraphInfo (a build folder's build_config.json), checked against the
 graph's node attributes."""
 
@@ -14,9 +15,9 @@ import onnx
 import torch
 
 from ..cache import KiviCache, Step
-from ..op import FIELD_NAMES, LOGITS, PLUGIN_NAME, GraphInfo, cache_io_names
+from ..op import FIELD_NAMES, LOGITS, PLUGIN_NAME, GraphInfo
 from .base import CacheRunner
-from .ort_session import session
+from .ort_session import native_op, register_cache, session, unregister_cache
 
 
 def step_feeds(st: Step, tokens: Sequence[Sequence[int]], all_logits: bool) -> dict[str, np.ndarray]:
@@ -53,25 +54,23 @@ class OrtRunner(CacheRunner):
         # The graph's cache shapes fix the pool: the same KiviCache the torch runner uses, with fp32 windows.
         self.cache = KiviCache(info.kivi, info.geometry, self.max_slots, self.max_seq_len, dtype=torch.float32,
                                num_blocks=info.num_blocks)
-        self.session = session(m, threads)
+        self._cache_id = register_cache(self.cache.layers)
+        self.session = session(m, threads, self._cache_id)
         self._outputs = [o.name for o in self.session.get_outputs()]
+
+    def __del__(self) -> None:
+        unregister_cache(getattr(self, "_cache_id", 0))
 
     @property
     def attention_backend(self) -> str:
-        return "onnxruntime graph (reference op)"
+        native = native_op(self.cache.geom.head_dim) is not None
+        return f"onnxruntime graph ({'native CPU op' if native else 'reference op'}, cache updated in place)"
 
     def step(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], all_logits: bool = False) -> torch.Tensor:
         self.check_tokens(slots, tokens)
         st = self.cache.begin_step(list(slots), [len(t) for t in tokens])
         feeds = step_feeds(st, tokens, all_logits)
-        for layer, bufs in enumerate(self.cache.layers):
-            past, _ = cache_io_names(layer)
-            feeds |= {n: t.numpy() for n, t in zip(past, bufs, strict=True)}
-        outs = dict(zip(self._outputs, self.session.run(None, feeds), strict=True))
-        for layer, bufs in enumerate(self.cache.layers):  # present.* -> the runner's buffers
-            _, present = cache_io_names(layer)
-            for n, t in zip(present, bufs, strict=True):
-                np.copyto(t.numpy(), outs[n])  # numpy: single-threaded, no torch thread-pool start-up per copy
+        outs = dict(zip(self._outputs, self.session.run(None, feeds), strict=True))  # cache updated in place
         self.cache.end_step(st)
         return torch.from_numpy(outs[LOGITS])
 

@@ -1,12 +1,19 @@
 """The onnxruntime session of an exported graph (runtime.ort_runner drives it; the builder's check uses that runner):
-the KiviAttention node executes the reference op (trtllm_kivi.reference, run in place on copies of the inputs)
-through onnxruntime-extensions' Python custom ops.
+the KiviAttention node executes the op (the native CPU kernels of trtllm_kivi.cpu when built and the head_dim is
+theirs, else the reference op of trtllm_kivi.reference) through onnxruntime-extensions' Python custom ops.
 
 onnxruntime-extensions accepts Python ops in the domain ai.onnx.contrib only, with input/output types fixed at
 registration and no 16-bit floats, so `ort_model` makes a copy of the graph for onnxruntime: the KiviAttention nodes
 move to that domain, the activation dtype becomes float32 (onnxruntime's CPU kernels lack most 16-bit float ops and
 so does the Python op API) and exact Casts around each node carry the scale/zero buffers, which keep their format
 dtype as graph inputs/outputs (so the cache contents are the format the engine stores). Nothing else changes.
+
+In-place form (`ort_model(m, cache_id=...)`, what OrtRunner uses): onnxruntime-extensions hands a Python op's
+outputs back as Python lists (`tolist()` of every element), so returning every cache buffer of every layer each step
+costs seconds per token. Instead the nodes become KiviAttentionInPlace(q, k, v, slot_ids, past_len, chunk_len,
+block_table) -> (out, status) with `cache_id`/`layer` attributes: the op updates that layer's buffers of a cache
+registered with `register_cache` in place (what TensorRT does with aliased plugin I/O), and the past.*/present.*
+graph I/O is dropped. onnxruntime's I/O binding cannot avoid that copy: it happens inside the Python-op bridge.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import torch
 from onnx import TensorProto, numpy_helper
 
 from ..format import BUFFER_NAMES
-from ..op import DOMAIN, FIELD_NAMES, OPSET, PLUGIN_NAME, config_from_fields
+from ..op import DOMAIN, FIELD_NAMES, OPSET, PLUGIN_NAME, cache_io_names, config_from_fields
 from ..reference.attention import KiviBuffers, kivi_attention_
 
 ORT_DOMAIN = "ai.onnx.contrib"
@@ -28,6 +35,34 @@ _FLOAT16S = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 ORT_SCALE_DTYPES = ("float16", "float32")  # what numpy (hence a runner's feeds) can hold
 _SCALE_BUFFERS = ("k_scale", "k_zero", "v_scale", "v_zero")
 _ONNX_SCALE_DTYPES = {"float16": TensorProto.FLOAT16, "float32": TensorProto.FLOAT}
+INPLACE_OP = PLUGIN_NAME + "InPlace"
+_CACHES: dict[int, list[KiviBuffers]] = {}  # cache_id -> every layer's buffers (register_cache)
+_NEXT_ID = [1]
+
+
+def register_cache(layers: list[KiviBuffers]) -> int:
+    """Make a runner's per-layer buffers reachable by the in-place op; returns the id for ort_model(cache_id=)."""
+    cache_id = _NEXT_ID[0]
+    _NEXT_ID[0] += 1
+    _CACHES[cache_id] = layers
+    return cache_id
+
+
+def unregister_cache(cache_id: int) -> None:
+    _CACHES.pop(cache_id, None)
+
+
+@functools.cache
+def native_op(head_dim: int):
+    """trtllm_kivi.cpu's kivi_attention_cpu_ when the native library is built and supports head_dim, else None (the
+    reference op)."""
+    from .. import cpu
+    from ..format import SUPPORTED_HEAD_DIMS
+
+    if head_dim not in SUPPORTED_HEAD_DIMS or not cpu.available():
+        return None
+    from ..cpu.ops import kivi_attention_cpu_
+    return kivi_attention_cpu_
 
 
 @functools.cache
@@ -43,6 +78,24 @@ def register_ops() -> None:
     bufs = [i32, f32, f32, i32, f32, f32, f32, f32]  # BUFFER_NAMES order
     onnx_op(op_type=PLUGIN_NAME, inputs=[f32, f32, f32, i32, i32, i32, i32] + bufs, outputs=[f32] + bufs + [i32],
             attrs=attrs)(_kivi_attention_op)
+    onnx_op(op_type=INPLACE_OP, inputs=[f32, f32, f32, i32, i32, i32, i32], outputs=[f32, i32],
+            attrs=attrs | {"cache_id": PyCustomOpDef.dt_int64, "layer": PyCustomOpDef.dt_int64})(_kivi_inplace_op)
+
+
+def _kivi_inplace_op(q, k, v, slot_ids, past_len, chunk_len, block_table, **attrs):
+    """The op on the registered cache's buffers of `layer`, in place; returns (out, status [1] int32 = 0)."""
+    cfg, *_ = config_from_fields({n: int(attrs[n]) for n in FIELD_NAMES})
+    bufs = _CACHES[int(attrs["cache_id"])][int(attrs["layer"])]
+    t = [torch.from_numpy(np.asarray(a)) for a in (q, k, v, slot_ids, past_len, chunk_len, block_table)]
+    op = native_op(t[0].shape[-1])
+    threads = torch.get_num_threads()
+    if op is not None:  # onnxruntime's own threads are idle while the Python op runs
+        return op(*t, bufs, cfg, threads=threads).numpy(), np.zeros(1, np.int32)
+    torch.set_num_threads(1)
+    try:
+        return kivi_attention_(*t, bufs, cfg).numpy(), np.zeros(1, np.int32)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _kivi_attention_op(q, k, v, slot_ids, past_len, chunk_len, block_table, *buffers, **attrs):
@@ -53,20 +106,22 @@ def _kivi_attention_op(q, k, v, slot_ids, past_len, chunk_len, block_table, *buf
     sdt = np.float16 if cfg.scale_dtype == "float16" else np.float32
     t = [torch.from_numpy(np.asarray(a)) for a in (q, k, v, slot_ids, past_len, chunk_len, block_table)]
     bufs = KiviBuffers(*(torch.from_numpy(np.array(b, dtype=sdt if n in _SCALE_BUFFERS else None))  # copies
-                         for n, b in zip(BUFFER_NAMES, buffers)))
+                         for n, b in zip(BUFFER_NAMES, buffers, strict=True)))
     threads = torch.get_num_threads()
+    op = native_op(t[0].shape[-1])
     torch.set_num_threads(1)
     try:
-        out = kivi_attention_(*t, bufs, cfg)
+        out = op(*t, bufs, cfg, threads=threads) if op is not None else kivi_attention_(*t, bufs, cfg)
     finally:
         torch.set_num_threads(threads)
     # status [1] int32 = 0: the reference raises on a bad step (check_step) instead of skipping a sequence.
     return (out.numpy(), *(b.numpy().astype(np.float32) if n in _SCALE_BUFFERS else b.numpy()
-                           for n, b in zip(BUFFER_NAMES, bufs)), np.zeros(1, np.int32))
+                           for n, b in zip(BUFFER_NAMES, bufs, strict=True)), np.zeros(1, np.int32))
 
 
-def ort_model(m: onnx.ModelProto) -> onnx.ModelProto:
-    """The onnxruntime copy of an exported graph (see the module docstring); `m` is not modified."""
+def ort_model(m: onnx.ModelProto, cache_id: int | None = None) -> onnx.ModelProto:
+    """The onnxruntime copy of an exported graph (see the module docstring); `m` is not modified. With cache_id
+    (register_cache): the in-place form."""
     m = copy.deepcopy(m)
     g = m.graph
     nodes = [n for n in g.node if n.op_type == PLUGIN_NAME and n.domain == DOMAIN]
@@ -92,10 +147,36 @@ def ort_model(m: onnx.ModelProto) -> onnx.ModelProto:
         for a in n.attribute:
             if n.op_type == "Cast" and a.name == "to" and a.i in _FLOAT16S:
                 a.i = TensorProto.FLOAT
-    _cast_scale_buffers(g, _ONNX_SCALE_DTYPES[cfg.scale_dtype])
+    if cache_id is None:
+        _cast_scale_buffers(g, _ONNX_SCALE_DTYPES[cfg.scale_dtype])
+    else:
+        _make_inplace(g, nodes, cache_id)
     del m.opset_import[:]
     m.opset_import.extend([onnx.helper.make_opsetid("", OPSET), onnx.helper.make_opsetid(ORT_DOMAIN, 1)])
     return m
+
+
+def _make_inplace(g: onnx.GraphProto, nodes: list, cache_id: int) -> None:
+    """KiviAttention nodes -> KiviAttentionInPlace (7 inputs; outputs out and status; cache_id/layer attributes);
+    the cache graph inputs/outputs are dropped."""
+    layer_of = {cache_io_names(i)[0][0]: i for i in range(len(nodes))}
+    n_bufs = len(BUFFER_NAMES)
+    dropped: set[str] = set()
+    for n in nodes:
+        if n.input[7] not in layer_of:
+            raise ValueError(f"{n.name}: cache input {n.input[7]} is not a past.<layer>.k_codes graph input")
+        dropped |= set(n.input[7:]) | set(n.output[1:1 + n_bufs])
+        n.op_type = INPLACE_OP
+        n.attribute.extend([onnx.helper.make_attribute("cache_id", cache_id),
+                            onnx.helper.make_attribute("layer", layer_of[n.input[7]])])
+        status = n.output[1 + n_bufs]
+        del n.input[7:]
+        del n.output[1:]
+        n.output.append(status)
+    for coll in (g.input, g.output, g.value_info):
+        keep = [vi for vi in coll if vi.name not in dropped]
+        del coll[:]
+        coll.extend(keep)
 
 
 def _cast_scale_buffers(g: onnx.GraphProto, sz: int) -> None:
@@ -124,8 +205,8 @@ def _to_float32(init: TensorProto) -> np.ndarray:
     return numpy_helper.to_array(init).astype(np.float32)
 
 
-def session(m: onnx.ModelProto, threads: int | None = None):
-    """An onnxruntime CPU session for an exported graph (converted with ort_model)."""
+def session(m: onnx.ModelProto, threads: int | None = None, cache_id: int | None = None):
+    """An onnxruntime CPU session for an exported graph (converted with ort_model; in place with cache_id)."""
     import onnxruntime as ort
     from onnxruntime_extensions import get_library_path
 
@@ -136,5 +217,5 @@ def session(m: onnx.ModelProto, threads: int | None = None):
         so.intra_op_num_threads = threads
     so.log_severity_level = 3
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle threads sleep: fair on shared CPUs
-    return ort.InferenceSession(ort_model(m).SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(ort_model(m, cache_id).SerializeToString(), so, providers=["CPUExecutionProvider"])
 

@@ -14,8 +14,15 @@ slot on add_sequence; blocks are reassigned through the block table). Prompt chu
 request alone (multiples of prefill_chunk from the prompt start), and sampling uses one generator per request, so a
 request's tokens do not depend on what else is in the batch (up to the rounding of batched CPU matmuls).
 
-Admission control: a request whose prompt + max_new_tokens - 1 positions exceed runner.max_seq_len, an empty prompt,
-or token ids outside the vocabulary are refused at submit() with RequestRejected; nothing else changes.
+Admission control: a request whose prompt + max_new_tokens - 1 positions exceed runner.max_seq_len or the whole
+KV block pool, an empty prompt, or token ids outside the vocabulary are refused at submit() with RequestRejected;
+nothing else changes. KV blocks: a request is admitted only when the pool's unreserved blocks cover its worst case
+(prompt + max_new_tokens - 1 tokens stored); it keeps that reservation until it finishes. So when blocks run short,
+requests wait in arrival order, and a running request never finds the pool empty mid-generation.
+
+Cancellation: Request.cancel(), or a `cancelled` predicate given to submit() (e.g. Triton's request.is_cancelled),
+polled before every step; a cancelled request ends with finish_reason "cancelled" and its slot and blocks are freed
+in that step, waiting or running.
 
 Use it synchronously (`submit` + `run_until_idle` / `generate`, or iterate `request.stream()`, which drives the steps
 itself) or in a background thread (`start()` / `stop()`: `submit` is then thread-safe and callbacks run on the
@@ -35,6 +42,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from . import kv_usage
 from .base import Runner
 from .detokenize import Detokenizer
 from .sampling import SamplingParams, sample
@@ -71,6 +79,8 @@ class Request:
     _events: queue.Queue = field(default_factory=queue.Queue)  # token ids, then None when finished
     _done: threading.Event = field(default_factory=threading.Event)
     _scheduler: Scheduler | None = None
+    _cancelled: Callable[[], bool] | None = None  # polled before every step (e.g. the client went away)
+    _blocks: int = 0  # pool blocks reserved for this request's worst case while it runs
 
     @property
     def finished(self) -> bool:
@@ -141,8 +151,14 @@ class Scheduler:
         self._cv = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._stopping_submit = False  # drain(): no new requests, running ones finish
         self._ids = itertools.count()
         self.steps = 0  # runner steps run so far (for stats)
+        # counters for metrics (read from other threads; ints only)
+        self.prompt_tokens = 0  # prompt tokens fed
+        self.generated_tokens = 0  # tokens sampled (including final stop tokens)
+        self.finished_requests: dict[str, int] = {}  # finish reason -> count
+        self.blocks_reserved = 0  # pool blocks reserved by running requests
 
     # ------------------------------------------------------------------------------------------- submission
 
@@ -159,16 +175,29 @@ class Scheduler:
             raise RequestRejected(f"stop token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if params.stop_strings and self.tokenizer is None:
             raise RequestRejected("stop strings need a tokenizer; this scheduler has none")
+        cap = self.runner.max_seq_len
+        if len(prompt) > cap:
+            raise RequestRejected(f"the prompt has {len(prompt)} tokens; a sequence holds at most max_seq_len={cap} "
+                                  f"tokens (prompt + max_new_tokens - 1), so the prompt must be 1..{cap} tokens")
         need = len(prompt) + params.max_new_tokens - 1  # the last new token is never fed back
-        if need > self.runner.max_seq_len:
+        if need > cap:
             raise RequestRejected(
                 f"prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} needs {need} cache "
-                f"positions; a sequence holds at most max_seq_len={self.runner.max_seq_len} (max_new_tokens "
-                f"allowed for this prompt: 1..{self.runner.max_seq_len - len(prompt) + 1})")
+                f"positions; a sequence holds at most max_seq_len={cap} (max_new_tokens allowed for this prompt: "
+                f"1..{cap - len(prompt) + 1})")
+        blocks, pool = kv_usage.blocks_for(self.runner, need), kv_usage.blocks_total(self.runner)
+        if blocks > pool:
+            fit = kv_usage.max_tokens_in_blocks(self.runner, pool)
+            raise RequestRejected(
+                f"prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} needs {blocks} KV cache "
+                f"blocks; the whole pool has {pool}, which holds at most {fit} tokens per request (prompt + "
+                f"max_new_tokens - 1)")
 
     def submit(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
-               on_update: UpdateCallback | None = None, request_id: str | None = None) -> Request:
-        """Queue a request (token ids); raises RequestRejected (nothing queued) when it cannot be served."""
+               on_update: UpdateCallback | None = None, request_id: str | None = None,
+               cancelled: Callable[[], bool] | None = None) -> Request:
+        """Queue a request (token ids); raises RequestRejected (nothing queued) when it cannot be served.
+        `cancelled() -> True` (polled before every step) cancels it, as Request.cancel() does."""
         try:
             prompt = [operator.index(t) for t in prompt]  # ints (numpy ints too); never silently truncate floats
         except TypeError as e:
@@ -178,9 +207,10 @@ class Scheduler:
         gen.manual_seed(params.seed) if params.seed is not None else gen.seed()
         req = Request(id=request_id if request_id is not None else str(next(self._ids)), prompt=prompt,
                       params=params, on_update=on_update, arrival_time=time.perf_counter(), _generator=gen,
-                      _detok=Detokenizer(self.tokenizer, params.stop_strings), _scheduler=self)
+                      _detok=Detokenizer(self.tokenizer, params.stop_strings), _scheduler=self,
+                      _cancelled=cancelled)
         with self._cv:
-            if self._stopping:
+            if self._stopping or self._stopping_submit:
                 raise RequestRejected("the scheduler is stopped; no new requests")
             self._waiting.append(req)
             self._cv.notify()
@@ -236,6 +266,7 @@ class Scheduler:
             for b, (r, chunk) in enumerate(batch):
                 if r.fed < len(r.prompt):
                     r.fed += len(chunk)
+                    self.prompt_tokens += len(chunk)
                     if r.fed < len(r.prompt):
                         continue  # a middle prompt chunk: its logits predict prompt tokens
                 if self._sample(r, logits[b], now):
@@ -243,6 +274,14 @@ class Scheduler:
             return finished
 
     def _drop_cancelled(self) -> list[Request]:
+        with self._lock:
+            live = list(self._waiting) + self._running
+        for r in live:
+            if r._cancelled is not None and not r._cancel:
+                try:
+                    r._cancel = bool(r._cancelled())
+                except Exception as e:  # the predicate's client is gone: cancel
+                    r._cancel, r.error = True, f"cancel check failed: {type(e).__name__}: {e}"
         with self._lock:
             gone = [r for r in self._waiting if r._cancel]
             for r in gone:
@@ -254,9 +293,15 @@ class Scheduler:
 
     def _admit(self) -> None:
         with self._lock:
+            pool = kv_usage.blocks_total(self.runner)
             while self._waiting and self.runner.free_slots > 0 and len(self._running) < self.max_batch_size:
-                r = self._waiting.popleft()
+                r = self._waiting[0]
+                blocks = kv_usage.blocks_for(self.runner, len(r.prompt) + r.params.max_new_tokens - 1)
+                if self.blocks_reserved + blocks > pool:
+                    break  # wait (in arrival order) until running requests return their blocks
+                self._waiting.popleft()
                 r.slot = self.runner.add_sequence()
+                r._blocks, self.blocks_reserved = blocks, self.blocks_reserved + blocks
                 self._running.append(r)
 
     def _build_batch(self) -> list[tuple[Request, list[int]]]:
@@ -279,6 +324,7 @@ class Scheduler:
         """Sample r's next token, apply its stop conditions, stream; True when r finished."""
         p = r.params
         tok = sample(logits, p, r._generator)
+        self.generated_tokens += 1
         new: list[int] = []
         reason = None
         if tok in p.stop_token_ids:
@@ -315,9 +361,12 @@ class Scheduler:
                 r.error = f"on_update failed: {type(e).__name__}: {e}"
 
     def _finish(self, r: Request, reason: str, error: str | None = None, new: list[int] | None = None) -> None:
+        self.finished_requests[reason] = self.finished_requests.get(reason, 0) + 1  # (before the slot is free)
         if r.slot is not None:
             self.runner.free_sequence(r.slot)
             r.slot = None
+        self.blocks_reserved -= r._blocks
+        r._blocks = 0
         if r in self._running:
             self._running.remove(r)
         r.finish_reason = reason
@@ -352,8 +401,27 @@ class Scheduler:
             self._thread = None
         if cancel:
             for r in list(self._waiting) + list(self._running):
-                r._cancel = True
+                r._cancel, r.error = True, r.error or "the scheduler stopped (server shutdown)"
             self._drop_cancelled()
+
+    def drain(self, timeout: float, reason: str = "server shutdown") -> int:
+        """Shut down gracefully: refuse new requests, cancel the waiting ones, let the running ones finish for up to
+        `timeout` seconds (background thread), then stop and cancel the rest. Returns how many were cancelled."""
+        with self._cv:
+            self._stopping_submit = True
+            waiting = list(self._waiting)
+        before = self.finished_requests.get("cancelled", 0)
+        for r in waiting:
+            r.error = r.error or reason
+            r.cancel()
+        deadline = time.monotonic() + timeout
+        while self.running and self.has_work() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with self._lock:
+            for r in list(self._waiting) + list(self._running):
+                r.error = r.error or f"{reason}: not finished within {timeout:g} s"
+        self.stop(cancel=True)
+        return self.finished_requests.get("cancelled", 0) - before
 
     def _wake(self) -> None:
         with self._cv:

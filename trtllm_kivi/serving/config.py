@@ -29,6 +29,7 @@ class ServingConfig:
     device: str = "cpu"
     max_slots: int = 8  # sequences served at once
     max_seq_len: int = 1024  # prompt + generated tokens per sequence
+    num_blocks: int | None = None  # KIVI block pool size (None: every slot can hold max_seq_len tokens)
     prefill_chunk: int = 128
     max_batch_tokens: int = 512
     default_max_tokens: int = 64
@@ -39,10 +40,12 @@ class ServingConfig:
     def __post_init__(self) -> None:
         if (self.model is None) == (self.engine is None):
             raise ValueError(f"give exactly one of model ({self.model!r}) or engine ({self.engine!r})")
+        if self.engine is not None and self.num_blocks is not None:
+            raise ValueError(f"num_blocks={self.num_blocks}: a build folder's block pool is fixed by its graph")
         for name in ("max_slots", "max_seq_len", "prefill_chunk", "max_batch_tokens", "default_max_tokens",
-                     "num_threads"):
+                     "num_threads", "num_blocks"):
             v = getattr(self, name)
-            if v is None and name == "num_threads":
+            if v is None and name in ("num_threads", "num_blocks"):
                 continue
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
@@ -78,7 +81,11 @@ def load_runner(cfg: ServingConfig):
     model, tok, mcfg = load_model(cfg.model, cfg.dtype, cfg.device)
     if cfg.max_seq_len > mcfg.max_seq_len:
         raise ValueError(f"max_seq_len={cfg.max_seq_len} exceeds the model's context of {mcfg.max_seq_len} tokens")
-    return TorchRunner.create(model, spec, cfg.max_slots, cfg.max_seq_len, backend=cfg.attention_backend), tok
+    if cfg.num_blocks is not None and not spec.quantized:
+        raise ValueError(f"num_blocks={cfg.num_blocks} applies to a KIVI cache, not --kv {cfg.kv}")
+    extra = {} if cfg.num_blocks is None else {"num_blocks": cfg.num_blocks}
+    return TorchRunner.create(model, spec, cfg.max_slots, cfg.max_seq_len, backend=cfg.attention_backend,
+                              **extra), tok
 
 
 def _load_engine(cfg: ServingConfig):

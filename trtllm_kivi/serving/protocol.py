@@ -18,18 +18,21 @@ class InvalidRequest(ValueError):
     """A malformed request: the message names the input, the bad value and what is accepted."""
 
 
-# name -> (Triton dtype, dims, optional, description). All shapes are [-1]: the model checks the element counts
-# itself, so a wrong shape gets a message that names the input (Triton checks the dtypes).
+# name -> (Triton dtype, dims, optional, description); config.pbtxt is written from this table, so the shapes the
+# model accepts are the ones Triton lets through. Every input is one-dimensional ([-1]: max_batch_size 0, no batch
+# dim) and the model checks the element counts itself, so a wrong count gets a message that names the input.
+# Integers are INT64: Triton converts a JSON number of the HTTP generate endpoint to the declared type, and INT32
+# would silently wrap a large max_tokens / top_k / token id (2^40 -> 0) before the model could refuse it.
 INPUTS = {
     "text_input": ("TYPE_STRING", [-1], True, "prompt text (one UTF-8 string); or give input_ids"),
-    "input_ids": ("TYPE_INT32", [-1], True, "prompt token ids; or give text_input"),
-    "max_tokens": ("TYPE_INT32", [-1], True, "tokens to generate (one value)"),
+    "input_ids": ("TYPE_INT64", [-1], True, "prompt token ids; or give text_input"),
+    "max_tokens": ("TYPE_INT64", [-1], True, "tokens to generate (one value)"),
     "temperature": ("TYPE_FP32", [-1], True, "0 = greedy (default)"),
     "top_p": ("TYPE_FP32", [-1], True, "nucleus sampling, (0, 1]"),
-    "top_k": ("TYPE_INT32", [-1], True, "sample among the k most likely tokens, 0 = off"),
+    "top_k": ("TYPE_INT64", [-1], True, "sample among the k most likely tokens, 0 = off"),
     "seed": ("TYPE_INT64", [-1], True, "sampling seed, >= 0"),
     "stop_words": ("TYPE_STRING", [-1], True, "stop strings (the output is cut before the first one)"),
-    "stream": ("TYPE_BOOL", [-1], True, "true: one response per token (decoupled); false: one final response"),
+    "stream": ("TYPE_BOOL", [-1], True, "false (default): one final response; true: one response per token"),
 }
 OUTPUTS = {
     "text_output": ("TYPE_STRING", [-1], "text: the new piece when streaming, else the whole output"),
@@ -37,6 +40,8 @@ OUTPUTS = {
     "finish_reason": ("TYPE_STRING", [-1], "stop | length | cancelled on the final response, else empty"),
 }
 MAX_STOP_WORDS = 16
+# request parameters Triton itself sets (the gRPC client's option for an empty final response); not inputs
+RESERVED_PARAMETERS = frozenset({"triton_enable_empty_final_response"})
 
 
 @dataclass
@@ -74,12 +79,21 @@ def _strings(a: np.ndarray, name: str) -> list[str]:
 
 
 def parse_request(tensors: dict[str, np.ndarray], tokenizer, vocab_size: int, max_seq_len: int,
-                  default_max_tokens: int = 64, stop_token_ids: tuple[int, ...] = ()) -> ParsedRequest:
+                  default_max_tokens: int = 64, stop_token_ids: tuple[int, ...] = (),
+                  parameters: dict | None = None) -> ParsedRequest:
     """Validate a request's input tensors and turn them into prompt ids + sampling params (raises InvalidRequest).
-    Whether prompt + max_tokens fits a sequence is the scheduler's check (RequestRejected)."""
+    `parameters` are the request's Triton parameters: the model takes none, and Triton's HTTP generate endpoint
+    turns every JSON key that is not an input into one, so any (but Triton's own, see RESERVED_PARAMETERS) is an
+    unknown input. Whether prompt + max_tokens fits a sequence is the scheduler's check (RequestRejected)."""
     unknown = sorted(set(tensors) - set(INPUTS))
+    unknown += sorted(k for k in (parameters or {}) if k not in RESERVED_PARAMETERS)
     if unknown:
         raise InvalidRequest(f"unknown inputs {unknown}; accepted: {sorted(INPUTS)}")
+    for name, a in tensors.items():
+        dims = INPUTS[name][1]
+        if a.ndim != len(dims):  # Triton checks this already; parse_request also serves offline callers
+            raise InvalidRequest(f"input '{name}' must have {len(dims)} dimension(s) (dims {dims}), got shape "
+                                 f"{list(a.shape)}")
     has_text, has_ids = "text_input" in tensors, "input_ids" in tensors
     if has_text == has_ids:
         raise InvalidRequest("give exactly one of 'text_input' (prompt text) or 'input_ids' (token ids)")
@@ -96,8 +110,6 @@ def parse_request(tensors: dict[str, np.ndarray], tokenizer, vocab_size: int, ma
         a = tensors["input_ids"]
         if not np.issubdtype(a.dtype, np.integer):
             raise InvalidRequest(f"input 'input_ids' must be integers, got dtype {a.dtype}")
-        if a.ndim > 2 or (a.ndim == 2 and a.shape[0] != 1):
-            raise InvalidRequest(f"input 'input_ids' must have shape [n] or [1, n], got {list(a.shape)}")
         prompt = [int(x) for x in a.reshape(-1)]
         if not prompt:
             raise InvalidRequest("input 'input_ids' is empty; the prompt needs at least one token")
@@ -123,7 +135,7 @@ def parse_request(tensors: dict[str, np.ndarray], tokenizer, vocab_size: int, ma
     stop = _strings(tensors["stop_words"], "stop_words") if "stop_words" in tensors else []
     if len(stop) > MAX_STOP_WORDS or any(not s for s in stop):
         raise InvalidRequest(f"stop_words must be at most {MAX_STOP_WORDS} non-empty strings, got {stop!r:.200}")
-    stream = bool(_one(tensors, "stream", "bool", True))
+    stream = bool(_one(tensors, "stream", "bool", False))
     params = SamplingParams(max_new_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p),
                             top_k=int(top_k), seed=seed, stop_token_ids=tuple(stop_token_ids),
                             stop_strings=tuple(stop))

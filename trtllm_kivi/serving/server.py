@@ -88,7 +88,7 @@ class TritonServer:
 
     def __init__(self, repo: str | Path, env: TritonEnv | None = None, log_file: str | Path | None = None,
                  http_port: int | None = None, grpc_port: int | None = None, metrics_port: int | None = None,
-                 log_verbose: int = 0) -> None:
+                 log_verbose: int = 0, exit_timeout: int = 25) -> None:
         self.repo = Path(repo).resolve()
         if not self.repo.is_dir():
             raise FileNotFoundError(f"model repository {self.repo} does not exist")
@@ -98,6 +98,7 @@ class TritonServer:
         self.metrics_port = metrics_port or free_port()
         self.log_file = Path(log_file) if log_file else self.repo.parent / f"tritonserver.{self.http_port}.log"
         self.log_verbose = log_verbose
+        self.exit_timeout = exit_timeout  # seconds Triton waits for in-flight requests after SIGTERM
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -108,6 +109,10 @@ class TritonServer:
     def grpc_url(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
+    @property
+    def metrics_url(self) -> str:
+        return f"127.0.0.1:{self.metrics_port}"
+
     def command(self) -> list[str]:
         return [str(self.env.tritonserver), f"--model-repository={self.repo}",
                 f"--backend-directory={self.env.backends}",
@@ -115,7 +120,7 @@ class TritonServer:
                 "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
                 "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
                 "--allow-gpu-metrics=false", "--exit-on-error=true", "--disable-auto-complete-config",
-                f"--log-verbose={self.log_verbose}"]
+                f"--exit-timeout-secs={self.exit_timeout}", f"--log-verbose={self.log_verbose}"]
 
     def start(self, timeout: float = 180.0) -> "TritonServer":
         """Start the server and wait until it reports ready; raises RuntimeError with the log's tail otherwise."""
@@ -149,6 +154,38 @@ class TritonServer:
         except OSError:
             return False
 
+    def metrics(self, timeout: float = 5.0) -> str:
+        """The Prometheus text of the metrics endpoint (Triton's and the model's own trtllm_kivi_* metrics)."""
+        with urllib.request.urlopen(f"http://{self.metrics_url}/metrics", timeout=timeout) as r:
+            return r.read().decode()
+
+    def group_pids(self) -> list[int]:
+        """PIDs in the server's process group: the server and its python backend stubs (Linux /proc)."""
+        if self.proc is None:
+            return []
+        out = []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[2]) == self.proc.pid and fields[0] != "Z":  # pgrp; zombies hold no memory
+                    out.append(int(d.name))
+        return sorted(out)
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server and its stubs together (VmRSS of every process in its group)."""
+        total = 0
+        for pid in self.group_pids():
+            try:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+            except OSError:
+                pass
+        return total
+
     def log_tail(self, n: int = 40) -> str:
         try:
             return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
@@ -156,24 +193,30 @@ class TritonServer:
             return "(no log)"
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM the server's process group (by the server's PID), SIGKILL after timeout; returns the exit code."""
+        """SIGTERM the server (by its PID: Triton then finishes in-flight requests, unloads the models and their
+        stubs exit), SIGKILL its process group after timeout; returns the exit code."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.send_signal(signal.SIGTERM)
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-            except ProcessLookupError:
-                pass
-        try:  # stubs that outlived the server (same process group)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        self.kill_orphans()
         self._log.close()
         return self.proc.returncode
+
+    def kill_orphans(self) -> list[int]:
+        """SIGKILL what is left of the server's process group (stubs that outlived it); returns their PIDs."""
+        left = self.group_pids()
+        if left:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return left
 
     def __enter__(self) -> "TritonServer":
         return self.start()

@@ -78,11 +78,11 @@ __device__ __forceinline__ void loadQuantizedKeys(
     int32_t const bs = p.blockSize;
     int64_t const sIdx = (headBase * (bs / p.groupSize) + r / p.groupSize) * kD;
     int32_t const* codes = static_cast<int32_t const*>(p.kCodes) + (headBase * (bs / kPW) + r / kPW) * kD;
-    for (int32_t u = threadIdx.x; u < kWORDS * kD; u += kATTN_THREADS)
+    for (int32_t u = threadIdx.x; u < kWORDS * kD; u += kATTN_THREADS) // KIVI_MODEL_LOOP(kwords)
     {
         int32_t const wi = u / kD;
         int32_t const d = u % kD;
-        uint32_t const word = static_cast<uint32_t>(__ldg(codes + u));
+        uint32_t const word = static_cast<uint32_t>(__ldg(codes + u)); // KIVI_MODEL_ANCHOR(kwords)
         float const scale = loadScale(p.kScale, sIdx + d, p.scaleDtype);
         float const zero = loadScale(p.kZero, sIdx + d, p.scaleDtype);
 #pragma unroll
@@ -107,11 +107,11 @@ __device__ __forceinline__ void loadQuantizedValues(
     int32_t const groupsPerToken = kD / gv;
     int64_t const row0 = headBase * p.blockSize + r;
     int32_t const* codes = static_cast<int32_t const*>(p.vCodes) + row0 * kWORDS;
-    for (int32_t u = threadIdx.x; u < kKEY_TILE * kWORDS; u += kATTN_THREADS)
+    for (int32_t u = threadIdx.x; u < kKEY_TILE * kWORDS; u += kATTN_THREADS) // KIVI_MODEL_LOOP(vwords)
     {
         int32_t const tok = u / kWORDS;
         int32_t const wi = u % kWORDS;
-        uint32_t const word = static_cast<uint32_t>(__ldg(codes + u));
+        uint32_t const word = static_cast<uint32_t>(__ldg(codes + u)); // KIVI_MODEL_ANCHOR(vwords)
         int64_t const sIdx = (row0 + tok) * groupsPerToken + (wi * kPW) / gv; // a word never straddles a group
         float const scale = loadScale(p.vScale, sIdx, p.scaleDtype);
         float const zero = loadScale(p.vZero, sIdx, p.scaleDtype);
@@ -266,9 +266,9 @@ __device__ __forceinline__ void dotRows(float const (*qS)[kD], float const (*kS)
     float (&score)[kROWS_PER_WARP])
 {
 #pragma unroll 8
-    for (int32_t d = 0; d < kD; ++d)
+    for (int32_t d = 0; d < kD; ++d) // KIVI_MODEL_LOOP(dot)
     {
-        float const kv = kS[lane][d];
+        float const kv = kS[lane][d]; // KIVI_MODEL_ANCHOR(dot)
 #pragma unroll
         for (int32_t j = 0; j < kN; ++j)
         {
@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(kATTN_THREADS, kATTN_MIN_CTAS_PER_SM) kiviAtte
     float const softmaxScale = rsqrtf(float(kD));
 
     T const* q = static_cast<T const*>(p.q);
-    for (int32_t u = threadIdx.x; u < kMAX_TILE_ROWS * kD; u += kATTN_THREADS)
+    for (int32_t u = threadIdx.x; u < kMAX_TILE_ROWS * kD; u += kATTN_THREADS) // KIVI_MODEL_LOOP(qload)
     {
         int32_t const row = u / kD;
         float x = 0.F;
@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(kATTN_THREADS, kATTN_MIN_CTAS_PER_SM) kiviAtte
             int64_t const token = info.tokenOffset + i0 + row / grp;
             x = ActTraits<T>::toFloat(q[(token * p.numHeads + h * grp + row % grp) * kD + u % kD]);
         }
-        qS[row][u % kD] = x;
+        qS[row][u % kD] = x; // KIVI_MODEL_ANCHOR(qload)
     }
 
     int32_t const warpRows = rows > warp ? (rows - warp + kATTN_WARPS - 1) / kATTN_WARPS : 0;
@@ -337,7 +337,7 @@ __global__ void __launch_bounds__(kATTN_THREADS, kATTN_MIN_CTAS_PER_SM) kiviAtte
         }
     }
 
-    for (int64_t kt = k0; kt < k1; kt += kKEY_TILE)
+    for (int64_t kt = k0; kt < k1; kt += kKEY_TILE) // KIVI_MODEL_LOOP(tile)
     {
         __syncthreads(); // previous tile fully consumed (and qS written on the first pass)
         loadKeyValueTile<T, kD>(p, b, h, slot, s, nq, info.tokenOffset, kt, k1, kS, vS);
@@ -375,9 +375,9 @@ __global__ void __launch_bounds__(kATTN_THREADS, kATTN_MIN_CTAS_PER_SM) kiviAtte
             {
                 acc[j][i] *= alpha;
             }
-            for (int32_t jj = 0; jj < kKEY_TILE; ++jj)
+            for (int32_t jj = 0; jj < kKEY_TILE; ++jj) // KIVI_MODEL_LOOP(pv)
             {
-                float const pj = __shfl_sync(0xffffffffU, prob, jj);
+                float const pj = __shfl_sync(0xffffffffU, prob, jj); // KIVI_MODEL_ANCHOR(pv)
 #pragma unroll
                 for (int32_t i = 0; i < kCH; ++i)
                 {

@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kATTN_THREADS) kiviAttentionTcKernel(
     int32_t const warp = threadIdx.x / 32;
     float const softmaxScale = rsqrtf(float(kD));
     T const* q = static_cast<T const*>(p.q);
-    for (int32_t u = threadIdx.x; u < kMAX_TILE_ROWS * kD; u += kATTN_THREADS)
+    for (int32_t u = threadIdx.x; u < kMAX_TILE_ROWS * kD; u += kATTN_THREADS) // KIVI_MODEL_LOOP(qload)
     {
         int32_t const row = u / kD;
         T x = ActTraits<T>::fromFloat(0.F);
@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kATTN_THREADS) kiviAttentionTcKernel(
             x = q[(token * p.numHeads + wk.h * grp + row % grp) * kD + u % kD];
         }
         qS[row][u % kD] = x;
-        oS[row][u % kD] = 0.F;
+        oS[row][u % kD] = 0.F; // KIVI_MODEL_ANCHOR(qload)
     }
 
     // Softmax ownership: row = threadIdx.x / 8, keys (threadIdx.x % 8) * 4 .. + 3 of each tile; the 8 threads of a
@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kATTN_THREADS) kiviAttentionTcKernel(
     float mRow = -INFINITY;
     float lRow = 0.F;
 
-    for (int64_t kt = wk.k0; kt < wk.k1; kt += kKEY_TILE)
+    for (int64_t kt = wk.k0; kt < wk.k1; kt += kKEY_TILE) // KIVI_MODEL_LOOP(tile)
     {
         __syncthreads(); // previous tile consumed (qS/oS written on the first pass)
         loadKeyValueTile<T, kD>(p, wk.b, wk.h, wk.slot, wk.s, wk.nq, wk.info.tokenOffset, kt, wk.k1, kS, vS);
@@ -143,9 +143,9 @@ __global__ void __launch_bounds__(kATTN_THREADS) kiviAttentionTcKernel(
         __syncthreads();
 
         // O = alpha O + P V: warp w owns the column blocks [w * kNT_PER_WARP, (w + 1) * kNT_PER_WARP).
-        for (int32_t u = threadIdx.x; u < kMAX_TILE_ROWS * kD; u += kATTN_THREADS)
+        for (int32_t u = threadIdx.x; u < kMAX_TILE_ROWS * kD; u += kATTN_THREADS) // KIVI_MODEL_LOOP(rescale)
         {
-            oS[u / kD][u % kD] *= alphaS[u / kD];
+            oS[u / kD][u % kD] *= alphaS[u / kD]; // KIVI_MODEL_ANCHOR(rescale)
         }
         __syncthreads();
 #pragma unroll
@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(kATTN_THREADS) kiviAttentionTcKernel(
     __syncthreads();
 
     T* out = static_cast<T*>(p.out);
-    for (int32_t u = threadIdx.x; u < wk.rows * kD; u += kATTN_THREADS)
+    for (int32_t u = threadIdx.x; u < wk.rows * kD; u += kATTN_THREADS) // KIVI_MODEL_LOOP(out)
     {
         int32_t const row = u / kD;
         int32_t const d = u % kD;
@@ -183,12 +183,12 @@ __global__ void __launch_bounds__(kATTN_THREADS) kiviAttentionTcKernel(
         if (plan.numSplits == 1)
         {
             float const l = lS[row];
-            out[(token * p.numHeads + head) * kD + d] = ActTraits<T>::fromFloat(l > 0.F ? oS[row][d] / l : 0.F);
+            out[(token * p.numHeads + head) * kD + d] = ActTraits<T>::fromFloat(l > 0.F ? oS[row][d] / l : 0.F); // KIVI_MODEL_ANCHOR(out)
         }
         else
         {
             int64_t const idx = (token * p.numHeads + head) * plan.numSplits + wk.split;
-            partialAcc[idx * kD + d] = oS[row][d];
+            partialAcc[idx * kD + d] = oS[row][d]; // KIVI_MODEL_ANCHOR(out)
             if (d == 0)
             {
                 partialMl[idx * 2] = mS[row];

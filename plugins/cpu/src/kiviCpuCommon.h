@@ -1,0 +1,172 @@
+// Internal types shared by the dispatcher (kiviCpuAttention.cpp) and the per-ISA kernel translation units.
+// Plain data and internal-linkage (static) helpers only: the ISA units are compiled with different -m flags, so no
+// inline function with external linkage may be shared between them (the linker would keep one copy for all paths).
+#pragma once
+#include "kiviCpuApi.h"
+#include <cstdint>
+#include <cstring>
+
+namespace trtllm_kivi
+{
+namespace cpu
+{
+
+constexpr int32_t kSPLIT_LEN = 512; // keys per log-sum-exp split; a multiple of every block/group/word size
+constexpr int32_t kQ_TILE = 8;      // query positions per work item in chunked prefill
+constexpr int32_t kK_TILE = 16;     // quantized keys decoded per step (a multiple of 32 / bits for 2/4/8 bits)
+
+// One sequence of the step, as the kernels see it.
+struct SeqPlan
+{
+    int32_t seq;       // index in the batch (block-table row)
+    int32_t slot;      // window / dense slot
+    int32_t past;      // s
+    int32_t chunk;     // c = e - s (> 0)
+    int32_t tokOffset; // first row of the sequence in q/k/v/out
+    int32_t nq;        // n_q(s): quantized keys (0 for the dense cache)
+    int32_t nKeys;     // s + c
+    int32_t numSplits; // ceil(nKeys / kSPLIT_LEN)
+    int32_t numQTiles; // ceil(c / kQ_TILE)
+    int32_t parallel;  // 1: one work item per split, partials merged afterwards; 0: one item runs every split
+    int64_t partialBase; // float offset of this sequence's partials (parallel only)
+};
+
+// Everything a kernel needs, resolved once per step.
+struct Ctx
+{
+    bool dense;
+    int32_t H, Hkv, D, grp;
+    int32_t kBits, vBits, G, Gv, BS, R, W, keyGrouping, scaleDtype, actDtype, cacheDtype, maxBlocks, maxSeqLen;
+    float smScale; // 1 / sqrt(D)
+    const void* q;
+    const void* k;
+    const void* v;
+    void* out;
+    const int32_t* blockTable;
+    const int32_t* kCodes;
+    const void* kScale;
+    const void* kZero;
+    const int32_t* vCodes;
+    const void* vScale;
+    const void* vZero;
+    const void* kWin; // KIVI windows, or the dense caches
+    const void* vWin;
+    const SeqPlan* seqs;
+    float* partials; // [sum over parallel seqs of Hkv * numSplits * rowsPerTile * (D + 2)]
+};
+
+struct WorkItem
+{
+    int32_t seqIdx, kvHead, qTile, split; // split < 0: every split of the tile in order, output written
+};
+
+// Per-thread scratch sizes (floats) for a tile of `rows` query rows.
+static inline int64_t scratchFloats(int32_t rows, int32_t D)
+{
+    return int64_t(rows) * (6 * D + 5 * (kSPLIT_LEN + 16) + 64) + 8 * (kSPLIT_LEN + 16) + 8 * D + 256;
+}
+
+// ------------------------------------------------------------------------------------ exact scalar conversions
+
+static inline uint32_t f32Bits(float x)
+{
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    return u;
+}
+
+static inline float bitsF32(uint32_t u)
+{
+    float x;
+    std::memcpy(&x, &u, 4);
+    return x;
+}
+
+// IEEE binary16 -> binary32, exact (subnormals, inf, NaN).
+static inline float halfToFloat(uint16_t h)
+{
+    uint32_t sign = uint32_t(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1F;
+    uint32_t man = h & 0x3FF;
+    if (exp == 0x1F)
+        return bitsF32(sign | 0x7F800000u | (man << 13));
+    if (exp == 0)
+    {
+        if (man == 0)
+            return bitsF32(sign);
+        // subnormal: man * 2^-24, exact in fp32
+        float f = float(man) * 5.9604644775390625e-08f;
+        return sign ? -f : f;
+    }
+    return bitsF32(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+// binary32 -> binary16 with round-to-nearest-even (what torch's .to(float16) and F16C's vcvtps2ph with imm 0 do).
+static inline uint16_t floatToHalf(float f)
+{
+    uint32_t x = f32Bits(f);
+    uint32_t sign = (x >> 16) & 0x8000;
+    uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax >= 0x7F800000u) // inf or NaN (quiet, keep the top payload bits)
+        return uint16_t(sign | 0x7C00 | (ax > 0x7F800000u ? (0x200 | ((ax >> 13) & 0x3FF)) : 0));
+    if (ax >= 0x477FF000u) // rounds to >= 65520: overflow to inf
+        return uint16_t(sign | 0x7C00);
+    if (ax < 0x38800000u) // below the smallest normal half 2^-14: subnormal or zero
+    {
+        if (ax < 0x33000000u) // < 2^-25: rounds to zero (2^-25 exactly ties to even = 0)
+            return uint16_t(sign);
+        uint32_t e = ax >> 23;
+        uint32_t m = (ax & 0x7FFFFF) | 0x800000;
+        uint32_t shift = 126 - e; // value = m * 2^(e-150); half subnormal unit 2^-24 -> shift by (126 - e)
+        uint32_t q = m >> shift;
+        uint32_t rem = m & ((1u << shift) - 1);
+        uint32_t halfway = 1u << (shift - 1);
+        if (rem > halfway || (rem == halfway && (q & 1)))
+            ++q;
+        return uint16_t(sign | q);
+    }
+    uint32_t r = ax + 0xC8000FFFu + ((ax >> 13) & 1); // rebias exponent (-112 << 23) and round half to even
+    return uint16_t(sign | (r >> 13));
+}
+
+static inline float bf16ToFloat(uint16_t b)
+{
+    return bitsF32(uint32_t(b) << 16);
+}
+
+// binary32 -> bfloat16, round-to-nearest-even, NaN -> 0x7FC0 (c10::BFloat16's round_to_nearest_even).
+static inline uint16_t floatToBf16(float f)
+{
+    uint32_t x = f32Bits(f);
+    if (f != f)
+        return uint16_t(0x7FC0);
+    return uint16_t((x + 0x7FFFu + ((x >> 16) & 1)) >> 16);
+}
+
+static inline float loadScalar(const void* base, int64_t i, int32_t dtype)
+{
+    switch (dtype)
+    {
+    case kiviCpuFloat16: return halfToFloat(static_cast<const uint16_t*>(base)[i]);
+    case kiviCpuBfloat16: return bf16ToFloat(static_cast<const uint16_t*>(base)[i]);
+    default: return static_cast<const float*>(base)[i];
+    }
+}
+
+static inline void storeScalar(void* base, int64_t i, int32_t dtype, float x)
+{
+    switch (dtype)
+    {
+    case kiviCpuFloat16: static_cast<uint16_t*>(base)[i] = floatToHalf(x); break;
+    case kiviCpuBfloat16: static_cast<uint16_t*>(base)[i] = floatToBf16(x); break;
+    default: static_cast<float*>(base)[i] = x;
+    }
+}
+
+static inline int32_t dtypeBytes(int32_t dtype)
+{
+    return dtype == kiviCpuFloat32 ? 4 : 2;
+}
+
+} // namespace cpu
+} // namespace trtllm_kivi

@@ -1,0 +1,133 @@
+// AVX2 + FMA + F16C path (compiled with -mavx2 -mfma -mf16c; only called when the CPU reports them).
+#include "kiviCpuCommon.h"
+#include "kiviCpuIsa.h"
+#include <immintrin.h>
+
+namespace trtllm_kivi
+{
+namespace cpu
+{
+namespace avx2
+{
+
+alignas(32) static const int32_t kShift2[2][8] = {{0, 2, 4, 6, 8, 10, 12, 14}, {16, 18, 20, 22, 24, 26, 28, 30}};
+alignas(32) static const int32_t kShift4[8] = {0, 4, 8, 12, 16, 20, 24, 28};
+alignas(32) static const int32_t kShift8[8] = {0, 8, 16, 24, 0, 8, 16, 24};
+
+// 2-bit codes: byte b -> its 4 codes as floats (one 16-byte load per 4 codes instead of shift/mask/convert).
+struct Lut2
+{
+    alignas(64) float v[256][4];
+    Lut2()
+    {
+        for (int b = 0; b < 256; ++b)
+            for (int i = 0; i < 4; ++i)
+                v[b][i] = float((b >> (2 * i)) & 3);
+    }
+};
+static const Lut2 kLut2;
+
+struct S
+{
+    static constexpr int W = 8;
+    using F = __m256;
+
+    static F zero() { return _mm256_setzero_ps(); }
+    static F set1(float x) { return _mm256_set1_ps(x); }
+    static F load(const float* p) { return _mm256_loadu_ps(p); }
+    static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+    static F loadAct(const void* base, int64_t off, int32_t dtype)
+    {
+        if (dtype == kiviCpuFloat32)
+            return _mm256_loadu_ps(static_cast<const float*>(base) + off);
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + off));
+        if (dtype == kiviCpuFloat16)
+            return _mm256_cvtph_ps(h);
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    static F add(F a, F b) { return _mm256_add_ps(a, b); }
+    static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+    static F max(F a, F b) { return _mm256_max_ps(a, b); }
+    static float hsum(F x)
+    {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        return _mm_cvtss_f32(s);
+    }
+    static float hmax(F x)
+    {
+        __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+        s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+        return _mm_cvtss_f32(s);
+    }
+    static void hsum4(F a, F b, F c, F d, float* out)
+    {
+        const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+        _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+    }
+    static float scale(const void* base, int64_t i, int32_t dtype)
+    {
+        if (dtype == kiviCpuFloat16)
+            return _cvtsh_ss(static_cast<const uint16_t*>(base)[i]);
+        return loadScalar(base, i, dtype);
+    }
+    // The scalar formula of kernel::expScalar, lane-wise.
+    static F exp(F x)
+    {
+        const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+        const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.33654f), _CMP_LT_OQ);
+        __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(80.0f));
+        const __m256 fx = _mm256_floor_ps(
+            _mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+        __m256 r = _mm256_sub_ps(xc, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+        r = _mm256_sub_ps(r, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+        __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
+        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
+        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
+        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
+        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
+        y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(y, r), r, r), _mm256_set1_ps(1.0f));
+        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+        __m256 res = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+        res = _mm256_blendv_ps(res, _mm256_setzero_ps(), under);
+        return _mm256_blendv_ps(res, x, nan);
+    }
+    // Lane i = code (part * 8 + i) of the sequence whose word j is p[j * stride] (32 / BITS codes per word).
+    template <int BITS>
+    static F decode(const int32_t* p, int stride, int part)
+    {
+        __m256i w, sh;
+        if (BITS == 2)
+        {
+            const uint8_t* b = reinterpret_cast<const uint8_t*>(p + int64_t(part >> 1) * stride) + (part & 1) * 2;
+            return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_load_ps(kLut2.v[b[0]])), _mm_load_ps(kLut2.v[b[1]]), 1);
+        }
+        if (BITS == 4)
+        {
+            w = _mm256_set1_epi32(p[int64_t(part) * stride]);
+            sh = _mm256_load_si256(reinterpret_cast<const __m256i*>(kShift4));
+        }
+        else
+        {
+            w = _mm256_set_m128i(_mm_set1_epi32(p[int64_t(2 * part + 1) * stride]),
+                _mm_set1_epi32(p[int64_t(2 * part) * stride]));
+            sh = _mm256_load_si256(reinterpret_cast<const __m256i*>(kShift8));
+        }
+        const __m256i c = _mm256_and_si256(_mm256_srlv_epi32(w, sh), _mm256_set1_epi32((1 << BITS) - 1));
+        return _mm256_cvtepi32_ps(c);
+    }
+};
+
+#include "kiviCpuKernel.h"
+
+} // namespace avx2
+
+const IsaKernels kAvx2Kernels = {avx2::kernel::attendItem, avx2::kernel::mergeItem};
+
+} // namespace cpu
+} // namespace trtllm_kivi

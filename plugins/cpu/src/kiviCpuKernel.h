@@ -1,0 +1,640 @@
+// The CPU KiviAttention kernel, written once over a SIMD wrapper `S` (kiviCpuIsa*.cpp define S and include this
+// file inside their own namespace, so every path gets private copies of every function).
+//
+// Decomposition (fixed, so results do not depend on threads or batch): for each sequence and KV head the keys
+// [0, past + chunk) are cut at multiples of kSPLIT_LEN; a split's partial softmax state (m, l, acc[D]) per query row is
+// computed from scratch, then partials are merged left to right (split 0, 1, ...). A work item computes one split
+// (decode: partials stored, merged by mergeItem) or all splits of a query tile in order (prefill); both run the
+// same per-split function and the same merge, so they give the same bits.
+//
+// Keys/values are read straight from the store: per-channel K codes are decoded kK_TILE tokens at a time (tokens in
+// SIMD lanes) against q pre-multiplied by the group's per-channel scale (score = sum_d (q_d s_d) c_td + sum_d q_d z_d);
+// per-token V codes are decoded channels-in-lanes and accumulated with p_t * scale, the zero term p_t * z once per
+// group. Nothing but one tile's scores lives in scratch.
+//
+// Requires before inclusion: namespace trtllm_kivi::cpu::<isa> { struct S; } with the ops used below.
+
+namespace kernel
+{
+
+// exp for softmax arguments (x <= 0 in practice): Cephes polynomial, exact 0 below -87.3 (so masked -inf gives 0),
+// NaN propagates. One scalar copy (for merges) and S::exp (vector) implement the same formula.
+static inline float expScalar(float x)
+{
+    if (x != x)
+        return x;
+    if (x < -87.33654f)
+        return 0.0f;
+    if (x > 80.0f)
+        x = 80.0f;
+    float fx = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - fx * 0.693359375f;
+    r = r - fx * -2.12194440e-4f;
+    float y = 1.9875691500E-4f;
+    y = y * r + 1.3981999507E-3f;
+    y = y * r + 8.3334519073E-3f;
+    y = y * r + 4.1665795894E-2f;
+    y = y * r + 1.6666665459E-1f;
+    y = y * r + 5.0000001201E-1f;
+    y = y * r * r + r + 1.0f;
+    return y * bitsF32(uint32_t(int32_t(fx) + 127) << 23);
+}
+
+static inline int32_t imin(int32_t a, int32_t b)
+{
+    return a < b ? a : b;
+}
+
+static inline int32_t imax(int32_t a, int32_t b)
+{
+    return a > b ? a : b;
+}
+
+template <int D>
+struct Attn
+{
+    static constexpr int W = S::W;
+    static constexpr int NV = D / W;       // vectors per head row
+    static constexpr int KV = kK_TILE / W; // vectors per decoded key tile
+    static constexpr int RB = 4;           // query rows per register block
+
+    // Scratch layout (floats); sized by scratchFloats(rows, D).
+    struct Scratch
+    {
+        float* qf;     // [rows, D] q * 1/sqrt(D)
+        float* qs;     // [rows, D] qf * per-channel key scale of the current group
+        float* cz;     // [rows]    sum_d qf * key zero
+        float* scores; // [rows, kSPLIT_LEN + W] scores, then p
+        float* acc;    // [rows, D]
+        float* zacc;   // [rows, 8] per value group: sum_t p_t * zero
+        float* coef;   // [4, rows, kSPLIT_LEN + 16] p_t * value scale of token t, per value group
+        float* state;  // [rows, D + 2] running (m, l, acc) of a sequential item
+        float* part;   // [rows, D + 2] one split's partial
+        float* kdeq;   // [4, kSPLIT_LEN + 16] a dequantized per-token key row / value scales (group-major)
+        float* vsz;    // [4, kSPLIT_LEN + 16] value zeros (group-major)
+        float* ksc;    // [D] per-channel key scale of the current group
+        float* kzr;    // [D]
+    };
+
+    static Scratch carve(float* base, int rows)
+    {
+        Scratch s;
+        s.qf = base;
+        s.qs = s.qf + rows * D;
+        s.cz = s.qs + rows * D;
+        s.scores = s.cz + rows + 16;
+        s.acc = s.scores + int64_t(rows) * (kSPLIT_LEN + 16);
+        s.zacc = s.acc + rows * D;
+        s.coef = s.zacc + rows * 8;
+        s.state = s.coef + int64_t(4) * rows * (kSPLIT_LEN + 16);
+        s.part = s.state + rows * (D + 2);
+        s.kdeq = s.part + rows * (D + 2);
+        s.vsz = s.kdeq + 4 * (kSPLIT_LEN + 16);
+        s.ksc = s.vsz + 4 * (kSPLIT_LEN + 16);
+        s.kzr = s.ksc + D;
+        return s;
+    }
+
+    static constexpr int scoreStride()
+    {
+        return kSPLIT_LEN + 16;
+    }
+
+    // q rows of a tile: row = i * grp + j is query position past + pos0 + i, head kvHead * grp + j.
+    static void loadQ(const Ctx& c, const SeqPlan& sp, int g, int pos0, int npos, float* qf)
+    {
+        for (int i = 0; i < npos; ++i)
+            for (int j = 0; j < c.grp; ++j)
+            {
+                int64_t off = (int64_t(sp.tokOffset + pos0 + i) * c.H + g * c.grp + j) * D;
+                float* dst = qf + (i * c.grp + j) * D;
+                for (int n = 0; n < NV; ++n)
+                    S::store(dst + n * W, S::mul(S::loadAct(c.q, off + n * W, c.actDtype), S::set1(c.smScale)));
+            }
+    }
+
+    // Scores of per-channel quantized keys: one kK_TILE-token tile for NR rows (accumulators stay in registers).
+    template <int BITS, int NR>
+    static void keyTile(const int32_t* wp, const float* qs, const float* cz, float* scores)
+    {
+        // two accumulator sets (even / odd channels) when registers allow: the fma latency chain is halved
+        constexpr int NA = (NR * KV <= 6) ? 2 : 1;
+        typename S::F acc[NA][NR][KV];
+        for (int h = 0; h < NA; ++h)
+            for (int i = 0; i < NR; ++i)
+                for (int v = 0; v < KV; ++v)
+                    acc[h][i][v] = h == 0 ? S::set1(cz[i]) : S::zero();
+        for (int d = 0; d < D; d += NA)
+            for (int h = 0; h < NA; ++h)
+            {
+                typename S::F code[KV];
+                for (int v = 0; v < KV; ++v)
+                    code[v] = S::template decode<BITS>(wp + d + h, D, v);
+                for (int i = 0; i < NR; ++i)
+                {
+                    const typename S::F qd = S::set1(qs[i * D + d + h]);
+                    for (int v = 0; v < KV; ++v)
+                        acc[h][i][v] = S::fma(qd, code[v], acc[h][i][v]);
+                }
+            }
+        for (int i = 0; i < NR; ++i)
+            for (int v = 0; v < KV; ++v)
+                S::store(scores + int64_t(i) * scoreStride() + v * W, NA == 2 ? S::add(acc[0][i][v], acc[NA - 1][i][v]) : acc[0][i][v]);
+    }
+
+    // Scores of per-channel quantized keys [t0, t0 + G) (one group, one block) for all rows.
+    template <int BITS>
+    static void scoresPerChannel(const Ctx& c, const SeqPlan& sp, int g, int rows, int t0, int a, Scratch& s)
+    {
+        constexpr int CPW = 32 / BITS;
+        const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + t0 / c.BS];
+        const int32_t r = t0 % c.BS;
+        const int64_t sOff = ((int64_t(blk) * c.Hkv + g) * (c.BS / c.G) + r / c.G) * D;
+        for (int n = 0; n < NV; ++n)
+        {
+            S::store(s.ksc + n * W, S::loadAct(c.kScale, sOff + n * W, c.scaleDtype));
+            S::store(s.kzr + n * W, S::loadAct(c.kZero, sOff + n * W, c.scaleDtype));
+        }
+        for (int row = 0; row < rows; ++row)
+        {
+            const float* q = s.qf + row * D;
+            float* qs = s.qs + row * D;
+            typename S::F z = S::zero();
+            for (int n = 0; n < NV; ++n)
+            {
+                typename S::F qv = S::load(q + n * W);
+                S::store(qs + n * W, S::mul(qv, S::load(s.ksc + n * W)));
+                z = S::fma(qv, S::load(s.kzr + n * W), z);
+            }
+            s.cz[row] = S::hsum(z);
+        }
+        const int32_t* words = c.kCodes + (int64_t(blk) * c.Hkv + g) * (c.BS / CPW) * D;
+        for (int t1 = t0; t1 < t0 + c.G; t1 += kK_TILE)
+        {
+            const int32_t* wp = words + int64_t((r + t1 - t0) / CPW) * D; // first word row of the tile
+            for (int r0 = 0; r0 < rows; r0 += RB)
+            {
+                const float* qs = s.qs + r0 * D;
+                const float* cz = s.cz + r0;
+                float* sc = s.scores + int64_t(r0) * scoreStride() + (t1 - a);
+                switch (imin(RB, rows - r0))
+                {
+                case 1: keyTile<BITS, 1>(wp, qs, cz, sc); break;
+                case 2: keyTile<BITS, 2>(wp, qs, cz, sc); break;
+                case 3: keyTile<BITS, 3>(wp, qs, cz, sc); break;
+                default: keyTile<BITS, 4>(wp, qs, cz, sc); break;
+                }
+            }
+        }
+    }
+
+    // Scores of one per-token quantized key (naive control): dequantize the row, then dot.
+    template <int BITS>
+    static void scorePerToken(const Ctx& c, const SeqPlan& sp, int g, int rows, int t, int a, Scratch& s)
+    {
+        constexpr int CPW = 32 / BITS;
+        const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + t / c.BS];
+        const int32_t r = t % c.BS;
+        const int64_t rowIdx = (int64_t(blk) * c.Hkv + g) * c.BS + r;
+        const int32_t* words = c.kCodes + rowIdx * (D / CPW);
+        const int ng = D / c.Gv;
+        for (int n = 0; n < NV; ++n)
+        {
+            int gi = n * W / c.Gv;
+            float sc = loadScalar(c.kScale, rowIdx * ng + gi, c.scaleDtype);
+            float zr = loadScalar(c.kZero, rowIdx * ng + gi, c.scaleDtype);
+            S::store(s.kdeq + n * W, S::fma(S::template decode<BITS>(words, 1, n), S::set1(sc), S::set1(zr)));
+        }
+        for (int row = 0; row < rows; ++row)
+        {
+            typename S::F acc = S::zero();
+            for (int n = 0; n < NV; ++n)
+                acc = S::fma(S::load(s.qf + row * D + n * W), S::load(s.kdeq + n * W), acc);
+            s.scores[int64_t(row) * scoreStride() + (t - a)] = S::hsum(acc);
+        }
+    }
+
+    // NR rows x TT tokens of full-precision key scores; row-t dot products reduced together (hsum4).
+    template <int NR, int TT, class RowOff>
+    static void fullKeyBlock(const void* base, int32_t dtype, RowOff rowOff, const float* q, int t, float* scores)
+    {
+        typename S::F acc[NR][TT];
+        for (int i = 0; i < NR; ++i)
+            for (int j = 0; j < TT; ++j)
+                acc[i][j] = S::zero();
+        int64_t off[TT];
+        for (int j = 0; j < TT; ++j)
+            off[j] = rowOff(t + j);
+        for (int n = 0; n < NV; ++n)
+            for (int j = 0; j < TT; ++j)
+            {
+                const typename S::F kv = S::loadAct(base, off[j] + n * W, dtype);
+                for (int i = 0; i < NR; ++i)
+                    acc[i][j] = S::fma(S::load(q + i * D + n * W), kv, acc[i][j]);
+            }
+        for (int i = 0; i < NR; ++i)
+        {
+            float* sc = scores + int64_t(i) * scoreStride();
+            if (TT == 4)
+                S::hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sc);
+            else
+                for (int j = 0; j < TT; ++j)
+                    sc[j] = S::hsum(acc[i][j]);
+        }
+    }
+
+    // Scores of full-precision keys t in [t0, t1), row t at `base + rowOff(t)` in `dtype`.
+    template <class RowOff>
+    static void scoresFull(const void* base, int32_t dtype, RowOff rowOff, int rows, int t0, int t1, int a,
+        Scratch& s)
+    {
+        for (int r0 = 0; r0 < rows; r0 += 3)
+        {
+            const int nr = imin(3, rows - r0);
+            const float* q = s.qf + r0 * D;
+            float* sc = s.scores + int64_t(r0) * scoreStride() - a;
+            int t = t0;
+            for (; t + 4 <= t1; t += 4)
+            {
+                if (nr == 3)
+                    fullKeyBlock<3, 4>(base, dtype, rowOff, q, t, sc + t);
+                else if (nr == 2)
+                    fullKeyBlock<2, 4>(base, dtype, rowOff, q, t, sc + t);
+                else
+                    fullKeyBlock<1, 4>(base, dtype, rowOff, q, t, sc + t);
+            }
+            for (; t < t1; ++t)
+            {
+                if (nr == 3)
+                    fullKeyBlock<3, 1>(base, dtype, rowOff, q, t, sc + t);
+                else if (nr == 2)
+                    fullKeyBlock<2, 1>(base, dtype, rowOff, q, t, sc + t);
+                else
+                    fullKeyBlock<1, 1>(base, dtype, rowOff, q, t, sc + t);
+            }
+        }
+    }
+
+    static constexpr int NC = 2; // full-precision value vectors (channels) per register block
+    static constexpr int QNC = 32 / W; // quantized value vectors per register block: 32 channels, inside one group
+    static constexpr int QRB = 3;      // rows per quantized value block (3 x QNC accumulators + code + coefs)
+
+    // acc[NR rows][QNC vectors of channels n0..] += coef[row][t] * code(t) over quantized values [t0, t1).
+    template <int BITS, int NR>
+    static void valueBlock(const Ctx& c, const SeqPlan& sp, int g, int t0, int t1, int n0, const float* coef,
+        float* acc)
+    {
+        constexpr int CPW = 32 / BITS;
+        typename S::F a[NR][QNC];
+        for (int i = 0; i < NR; ++i)
+            for (int j = 0; j < QNC; ++j)
+                a[i][j] = S::load(acc + i * D + (n0 + j) * W);
+        const int64_t headBase = int64_t(sp.seq) * c.maxBlocks;
+        for (int t = t0; t < t1;)
+        {
+            const int32_t blk = c.blockTable[headBase + t / c.BS];
+            const int tEnd = imin(t1, (t / c.BS + 1) * c.BS);
+            const int32_t* words = c.vCodes + ((int64_t(blk) * c.Hkv + g) * c.BS + t % c.BS) * (D / CPW);
+            for (; t < tEnd; ++t, words += D / CPW)
+            {
+                typename S::F cf[NR];
+                for (int i = 0; i < NR; ++i)
+                    cf[i] = S::set1(coef[int64_t(i) * scoreStride() + t]);
+                for (int j = 0; j < QNC; ++j)
+                {
+                    const typename S::F code = S::template decode<BITS>(words, 1, n0 + j);
+                    for (int i = 0; i < NR; ++i)
+                        a[i][j] = S::fma(cf[i], code, a[i][j]);
+                }
+            }
+        }
+        for (int i = 0; i < NR; ++i)
+            for (int j = 0; j < QNC; ++j)
+                S::store(acc + i * D + (n0 + j) * W, a[i][j]);
+    }
+
+    // acc += p_t * dequant(v_t) for per-token quantized values t in [t0, t1): coef = p_t * scale per token and
+    // group, zacc = sum_t p_t * zero per group (added once at the end of the split).
+    template <int BITS>
+    static void valuesQuantized(const Ctx& c, const SeqPlan& sp, int g, int rows, int t0, int t1, int a, Scratch& s)
+    {
+        const int ng = D / c.Gv;
+        const int span = t1 - t0, spanPad = (span + W - 1) / W * W;
+        float* vsf = s.kdeq; // reuse: [ng][kSPLIT_LEN + 16] scales, then zeros, transposed (group-major)
+        float* vzf = s.vsz;
+        for (int t = t0; t < t1;)
+        {
+            const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + t / c.BS];
+            const int tEnd = imin(t1, (t / c.BS + 1) * c.BS);
+            int64_t idx = ((int64_t(blk) * c.Hkv + g) * c.BS + t % c.BS) * ng;
+            for (; t < tEnd; ++t)
+                for (int gi = 0; gi < ng; ++gi, ++idx)
+                {
+                    vsf[gi * scoreStride() + (t - t0)] = S::scale(c.vScale, idx, c.scaleDtype);
+                    vzf[gi * scoreStride() + (t - t0)] = S::scale(c.vZero, idx, c.scaleDtype);
+                }
+        }
+        for (int gi = 0; gi < ng; ++gi)
+            for (int t = span; t < spanPad; ++t)
+                vsf[gi * scoreStride() + t] = vzf[gi * scoreStride() + t] = 0.0f;
+        for (int gi = 0; gi < ng; ++gi)
+            for (int row = 0; row < rows; ++row)
+            {
+                const float* p = s.scores + int64_t(row) * scoreStride() + (t0 - a);
+                float* cf = s.coef + (int64_t(gi) * rows + row) * scoreStride() + (t0 - a);
+                typename S::F z = S::zero();
+                for (int t = 0; t < spanPad; t += W)
+                {
+                    const typename S::F pv = S::load(p + t);
+                    S::store(cf + t, S::mul(pv, S::load(vsf + gi * scoreStride() + t)));
+                    z = S::fma(pv, S::load(vzf + gi * scoreStride() + t), z);
+                }
+                s.zacc[row * 8 + gi] += S::hsum(z);
+            }
+        for (int n0 = 0; n0 < NV; n0 += QNC)
+        {
+            const int gi = n0 * W / c.Gv;
+            for (int r0 = 0; r0 < rows; r0 += QRB)
+            {
+                const float* coef = s.coef + (int64_t(gi) * rows + r0) * scoreStride() - a;
+                float* acc = s.acc + r0 * D;
+                switch (imin(QRB, rows - r0))
+                {
+                case 1: valueBlock<BITS, 1>(c, sp, g, t0, t1, n0, coef, acc); break;
+                case 2: valueBlock<BITS, 2>(c, sp, g, t0, t1, n0, coef, acc); break;
+                default: valueBlock<BITS, 3>(c, sp, g, t0, t1, n0, coef, acc); break;
+                }
+            }
+        }
+    }
+
+    template <int NR, class RowOff>
+    static void fullValueBlock(const void* base, int32_t dtype, RowOff rowOff, int t0, int t1, int n0,
+        const float* p, float* acc)
+    {
+        typename S::F a[NR][NC];
+        for (int i = 0; i < NR; ++i)
+            for (int j = 0; j < NC; ++j)
+                a[i][j] = S::load(acc + i * D + (n0 + j) * W);
+        for (int t = t0; t < t1; ++t)
+        {
+            const int64_t off = rowOff(t);
+            typename S::F vv[NC];
+            for (int j = 0; j < NC; ++j)
+                vv[j] = S::loadAct(base, off + (n0 + j) * W, dtype);
+            for (int i = 0; i < NR; ++i)
+            {
+                const typename S::F pt = S::set1(p[int64_t(i) * scoreStride() + t]);
+                for (int j = 0; j < NC; ++j)
+                    a[i][j] = S::fma(pt, vv[j], a[i][j]);
+            }
+        }
+        for (int i = 0; i < NR; ++i)
+            for (int j = 0; j < NC; ++j)
+                S::store(acc + i * D + (n0 + j) * W, a[i][j]);
+    }
+
+    template <class RowOff>
+    static void valuesFull(const void* base, int32_t dtype, RowOff rowOff, int rows, int t0, int t1, int a,
+        Scratch& s)
+    {
+        for (int n0 = 0; n0 < NV; n0 += NC)
+            for (int r0 = 0; r0 < rows; r0 += RB)
+            {
+                const float* p = s.scores + int64_t(r0) * scoreStride() - a;
+                float* acc = s.acc + r0 * D;
+                switch (imin(RB, rows - r0))
+                {
+                case 1: fullValueBlock<1>(base, dtype, rowOff, t0, t1, n0, p, acc); break;
+                case 2: fullValueBlock<2>(base, dtype, rowOff, t0, t1, n0, p, acc); break;
+                case 3: fullValueBlock<3>(base, dtype, rowOff, t0, t1, n0, p, acc); break;
+                default: fullValueBlock<4>(base, dtype, rowOff, t0, t1, n0, p, acc); break;
+                }
+            }
+    }
+
+    // The partial (m, l, acc[D]) of every row of a tile over split `split`, into s.part.
+    static void splitPartial(const Ctx& c, const SeqPlan& sp, int g, int pos0, int npos, int split, Scratch& s)
+    {
+        const int rows = npos * c.grp;
+        const int a = split * kSPLIT_LEN;
+        const int lastPos = sp.past + pos0 + npos - 1;
+        const int b = imin(imin(a + kSPLIT_LEN, sp.nKeys), lastPos + 1);
+        const int qend = imin(b, sp.nq);
+        // 1. scores of keys [a, b)
+        if (a < qend)
+        {
+            if (c.keyGrouping == 0)
+            {
+                for (int t0 = a; t0 < qend; t0 += c.G)
+                {
+                    switch (c.kBits)
+                    {
+                    case 2: scoresPerChannel<2>(c, sp, g, rows, t0, a, s); break;
+                    case 4: scoresPerChannel<4>(c, sp, g, rows, t0, a, s); break;
+                    default: scoresPerChannel<8>(c, sp, g, rows, t0, a, s); break;
+                    }
+                }
+            }
+            else
+            {
+                for (int t = a; t < qend; ++t)
+                {
+                    switch (c.kBits)
+                    {
+                    case 2: scorePerToken<2>(c, sp, g, rows, t, a, s); break;
+                    case 4: scorePerToken<4>(c, sp, g, rows, t, a, s); break;
+                    default: scorePerToken<8>(c, sp, g, rows, t, a, s); break;
+                    }
+                }
+            }
+        }
+        const int winStart = imax(a, sp.nq), winEnd = imin(b, sp.past);
+        const int chStart = imax(a, sp.past);
+        const int64_t headRow = int64_t(sp.slot) * c.Hkv + g;
+        auto winOff = [&](int t) { return (headRow * c.W + t % c.W) * D; };
+        auto denseOff = [&](int t) { return (headRow * c.maxSeqLen + t) * D; };
+        auto chunkOff = [&](int t) { return (int64_t(sp.tokOffset + t - sp.past) * c.Hkv + g) * D; };
+        if (c.dense)
+            scoresFull(c.kWin, c.cacheDtype, denseOff, rows, a, b, a, s);
+        else
+        {
+            if (winStart < winEnd)
+                scoresFull(c.kWin, c.actDtype, winOff, rows, winStart, winEnd, a, s);
+            if (chStart < b)
+                scoresFull(c.k, c.actDtype, chunkOff, rows, chStart, b, a, s);
+        }
+        // 2. softmax numerators per row over its causal range [a, min(b, pos + 1)); p = 0 elsewhere
+        const int span = b - a;
+        const int spanPad = (span + W - 1) / W * W;
+        for (int row = 0; row < rows; ++row)
+        {
+            float* sc = s.scores + int64_t(row) * scoreStride();
+            const int pos = sp.past + pos0 + row / c.grp;
+            const int valid = imax(0, imin(b, pos + 1) - a);
+            for (int t = valid; t < spanPad; ++t)
+                sc[t] = -__builtin_inff();
+            float* part = s.part + row * (D + 2);
+            if (valid == 0)
+            {
+                for (int t = 0; t < spanPad; ++t)
+                    sc[t] = 0.0f;
+                part[0] = -__builtin_inff();
+                part[1] = 0.0f;
+                continue;
+            }
+            typename S::F mv = S::set1(-__builtin_inff());
+            for (int t = 0; t < spanPad; t += W)
+                mv = S::max(mv, S::load(sc + t));
+            const float m = S::hmax(mv);
+            const typename S::F msub = S::set1(m);
+            typename S::F lv = S::zero();
+            for (int t = 0; t < spanPad; t += W)
+            {
+                typename S::F p = S::exp(S::sub(S::load(sc + t), msub));
+                S::store(sc + t, p);
+                lv = S::add(lv, p);
+            }
+            part[0] = m;
+            part[1] = S::hsum(lv);
+        }
+        // 3. acc = sum_t p_t v_t
+        for (int row = 0; row < rows; ++row)
+        {
+            for (int d = 0; d < D; ++d)
+                s.acc[row * D + d] = 0.0f;
+            for (int i = 0; i < 8; ++i)
+                s.zacc[row * 8 + i] = 0.0f;
+        }
+        if (a < qend)
+        {
+            switch (c.vBits)
+            {
+            case 2: valuesQuantized<2>(c, sp, g, rows, a, qend, a, s); break;
+            case 4: valuesQuantized<4>(c, sp, g, rows, a, qend, a, s); break;
+            default: valuesQuantized<8>(c, sp, g, rows, a, qend, a, s); break;
+            }
+            for (int row = 0; row < rows; ++row)
+                for (int d = 0; d < D; ++d)
+                    s.acc[row * D + d] += s.zacc[row * 8 + d / c.Gv];
+        }
+        if (c.dense)
+            valuesFull(c.vWin, c.cacheDtype, denseOff, rows, a, b, a, s);
+        else
+        {
+            if (winStart < winEnd)
+                valuesFull(c.vWin, c.actDtype, winOff, rows, winStart, winEnd, a, s);
+            if (chStart < b)
+                valuesFull(c.v, c.actDtype, chunkOff, rows, chStart, b, a, s);
+        }
+        for (int row = 0; row < rows; ++row)
+        {
+            float* part = s.part + row * (D + 2);
+            for (int d = 0; d < D; ++d)
+                part[2 + d] = s.acc[row * D + d];
+        }
+    }
+
+    // state = merge(state, part) for `rows` rows (left to right; the first partial is copied).
+    static void merge(float* state, const float* part, int rows, bool first)
+    {
+        for (int row = 0; row < rows; ++row)
+        {
+            float* st = state + row * (D + 2);
+            const float* pt = part + row * (D + 2);
+            if (first)
+            {
+                for (int i = 0; i < D + 2; ++i)
+                    st[i] = pt[i];
+                continue;
+            }
+            if (pt[0] == -__builtin_inff()) // empty partial (split past this row's position)
+                continue;
+            if (st[0] == -__builtin_inff())
+            {
+                for (int i = 0; i < D + 2; ++i)
+                    st[i] = pt[i];
+                continue;
+            }
+            const float m = st[0] > pt[0] ? st[0] : pt[0];
+            const float x = expScalar(st[0] - m), y = expScalar(pt[0] - m);
+            st[0] = m;
+            st[1] = st[1] * x + pt[1] * y;
+            for (int d = 0; d < D; ++d)
+                st[2 + d] = st[2 + d] * x + pt[2 + d] * y;
+        }
+    }
+
+    static void writeOut(const Ctx& c, const SeqPlan& sp, int g, int pos0, int npos, const float* state)
+    {
+        for (int i = 0; i < npos; ++i)
+            for (int j = 0; j < c.grp; ++j)
+            {
+                const float* st = state + (i * c.grp + j) * (D + 2);
+                const float l = st[1]; // divide (not multiply by 1/l), like softmax's normalization
+                const int64_t off = (int64_t(sp.tokOffset + pos0 + i) * c.H + g * c.grp + j) * D;
+                for (int d = 0; d < D; ++d)
+                    storeScalar(c.out, off + d, c.actDtype, st[2 + d] / l);
+            }
+    }
+
+    static float* partialAt(const Ctx& c, const SeqPlan& sp, int g, int split)
+    {
+        const int64_t rows = int64_t(sp.chunk) * c.grp;
+        return c.partials + sp.partialBase + (int64_t(g) * sp.numSplits + split) * rows * (D + 2);
+    }
+
+    static void attendItem(const Ctx& c, const WorkItem& it, float* scratch)
+    {
+        const SeqPlan& sp = c.seqs[it.seqIdx];
+        const int pos0 = it.qTile * kQ_TILE;
+        const int npos = imin(kQ_TILE, sp.chunk - pos0);
+        const int rows = npos * c.grp;
+        Scratch s = carve(scratch, rows);
+        loadQ(c, sp, it.kvHead, pos0, npos, s.qf);
+        if (it.split >= 0)
+        {
+            splitPartial(c, sp, it.kvHead, pos0, npos, it.split, s);
+            float* dst = partialAt(c, sp, it.kvHead, it.split);
+            for (int i = 0; i < rows * (D + 2); ++i)
+                dst[i] = s.part[i];
+            return;
+        }
+        const int lastPos = sp.past + pos0 + npos - 1;
+        const int nSplits = lastPos / kSPLIT_LEN + 1; // splits starting at or before the tile's last position
+        for (int j = 0; j < nSplits; ++j)
+        {
+            splitPartial(c, sp, it.kvHead, pos0, npos, j, s);
+            merge(s.state, s.part, rows, j == 0);
+        }
+        writeOut(c, sp, it.kvHead, pos0, npos, s.state);
+    }
+
+    static void mergeItem(const Ctx& c, const WorkItem& it, float* scratch)
+    {
+        const SeqPlan& sp = c.seqs[it.seqIdx];
+        const int rows = sp.chunk * c.grp;
+        Scratch s = carve(scratch, rows);
+        for (int j = 0; j < sp.numSplits; ++j)
+            merge(s.state, partialAt(c, sp, it.kvHead, j), rows, j == 0);
+        writeOut(c, sp, it.kvHead, 0, sp.chunk, s.state);
+    }
+};
+
+static void attendItem(const Ctx& c, const WorkItem& it, float* scratch)
+{
+    if (c.D == 64)
+        Attn<64>::attendItem(c, it, scratch);
+    else
+        Attn<128>::attendItem(c, it, scratch);
+}
+
+static void mergeItem(const Ctx& c, const WorkItem& it, float* scratch)
+{
+    if (c.D == 64)
+        Attn<64>::mergeItem(c, it, scratch);
+    else
+        Attn<128>::mergeItem(c, it, scratch);
+}
+
+} // namespace kernel

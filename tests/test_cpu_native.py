@@ -1,0 +1,267 @@
+"""The native CPU KIVI library (plugins/cpu, trtllm_kivi/cpu) against the torch reference (the spec).
+
+Reference: trtllm_kivi.reference.attention.kivi_attention_ for the KIVI op, cache.FullCache.attention for the dense
+baseline. Stores (codes, scales, zeros, windows) must be bit-exact over the whole buffers (both start from the same
+random sentinel fill, so a stray write by either side shows); attention within the tolerance derived in `_tol`.
+Every ISA path the CPU supports is forced in turn; results must not depend on the thread count or the batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trtllm_kivi import cpu as native
+from trtllm_kivi.cache import FullCache
+from trtllm_kivi.format import Geometry, KiviConfig
+from trtllm_kivi.reference.attention import KiviBuffers, kivi_attention_
+
+if not native.available():
+    pytest.skip("native CPU library not built (run build_scripts/build_cpu_kernels.sh, or set TRTLLM_KIVI_CPU_LIB)",
+                allow_module_level=True)
+
+from trtllm_kivi.cpu.ops import full_attention_cpu_, kivi_attention_cpu_  # noqa: E402
+
+LIB = native.load_library()
+ISAS = ["portable", "avx2", "avx512"]
+
+
+def _isa(name: str) -> str:
+    if not LIB.isa_supported(name):
+        pytest.skip(f"this CPU has no {name} (the path is compiled in; run the tests on a CPU with it)")
+    return name
+
+
+@pytest.fixture(params=ISAS)
+def isa(request) -> str:
+    return _isa(request.param)
+
+
+def _sentinel(bufs: KiviBuffers, gen: torch.Generator) -> KiviBuffers:
+    """Random finite garbage in every buffer: stray writes (by either side) make the buffers differ."""
+    out = []
+    for t in bufs:
+        if t.dtype == torch.int32:
+            out.append(torch.randint(-2 ** 31, 2 ** 31 - 1, t.shape, dtype=torch.int32, generator=gen))
+        else:
+            out.append((torch.rand(t.shape, generator=gen) * 2 - 1).to(t.dtype))
+    return KiviBuffers(*out)
+
+
+class Run:
+    """Drive the reference and the native op through the same ragged schedule."""
+
+    def __init__(self, cfg: KiviConfig, h: int, hkv: int, d: int, dtype: torch.dtype, slots: int = 4,
+                 max_blocks: int = 16, seed: int = 0) -> None:
+        self.cfg, self.h, self.hkv, self.d, self.dtype = cfg, h, hkv, d, dtype
+        self.gen = torch.Generator().manual_seed(seed)
+        num_blocks = slots * max_blocks
+        base = _sentinel(KiviBuffers.allocate(cfg, hkv, d, num_blocks, slots, dtype), self.gen)
+        self.ref, self.nat = base.clone(), base.clone()
+        perm = torch.randperm(num_blocks, generator=self.gen).to(torch.int32)  # non-identity block tables
+        self.tables = perm.reshape(slots, max_blocks)
+        self.past = [0] * slots
+
+    def inputs(self, chunks: list[int]):
+        n = sum(chunks)
+        q = torch.randn(n, self.h, self.d, generator=self.gen).to(self.dtype)
+        k = torch.randn(n, self.hkv, self.d, generator=self.gen).to(self.dtype)
+        v = torch.randn(n, self.hkv, self.d, generator=self.gen).to(self.dtype)
+        return q, k, v
+
+    def step(self, slots: list[int], chunks: list[int], isa: str = "auto", threads: int = 2, qkv=None):
+        q, k, v = qkv if qkv is not None else self.inputs(chunks)
+        i32 = dict(dtype=torch.int32)
+        args = (torch.tensor(slots, **i32), torch.tensor([self.past[s] for s in slots], **i32),
+                torch.tensor(chunks, **i32), self.tables[slots].contiguous())
+        out_ref = kivi_attention_(q, k, v, *args, self.ref, self.cfg)
+        out_nat = kivi_attention_cpu_(q, k, v, *args, self.nat, self.cfg, isa=isa, threads=threads)
+        for s, c in zip(slots, chunks, strict=True):
+            self.past[s] += c
+        return out_ref, out_nat, v
+
+    def assert_stores_equal(self) -> None:
+        for name, a, b in zip(KiviBuffers._fields, self.ref, self.nat, strict=True):
+            assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                               b.view(torch.int16) if b.dtype == torch.bfloat16 else b), \
+                f"{name}: {(a != b).sum().item()} elements differ"
+
+
+def _tol(dtype: torch.dtype, v: torch.Tensor) -> float:
+    """Attention error bound: the reference rounds dequantized history to the activation dtype (half an ulp of
+    |v|, |k|) and rounds the output (half an ulp); the native kernel keeps fp32 and reassociates sums (a few fp32
+    ulps of max|v| per split merge). With unit-variance inputs (|scores| = O(1)) that is <= 4 ulps(act) * max|v|
+    plus 1e-5 * max|v| for the fp32 reassociation."""
+    eps = {torch.float32: 2 ** -23, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[dtype]
+    vmax = float(v.float().abs().max())
+    return (4 * eps + 1e-5) * max(vmax, 1.0)
+
+
+CONFIGS = [  # (cfg, H, Hkv, D, dtype)
+    (KiviConfig(), 6, 2, 64, torch.float32),
+    (KiviConfig(k_bits=4, v_bits=2, group_size=64, residual_length=96, block_size=128), 8, 2, 128, torch.float32),
+    (KiviConfig(k_bits=8, v_bits=4, group_size=128, residual_length=32, block_size=256, scale_dtype="bfloat16"),
+     4, 4, 64, torch.float32),
+    (KiviConfig(k_bits=2, v_bits=8, key_grouping="per_token", group_size=32, residual_length=64,
+                scale_dtype="float32"), 9, 3, 64, torch.float32),
+    (KiviConfig(k_bits=2, v_bits=2, residual_length=40), 8, 1, 128, torch.float16),
+    (KiviConfig(k_bits=4, v_bits=4, key_grouping="per_token", group_size=64), 4, 2, 64, torch.bfloat16),
+]
+
+# ragged steps: prefills, chunked prefill crossing flush points, decodes, long enough for several key splits
+SCHEDULE = [([0, 1, 2], [300, 45, 7]), ([0, 1, 2], [1, 1, 1]), ([1, 3], [200, 130]), ([0, 1, 2, 3], [1, 1, 33, 1]),
+            ([2, 0], [260, 1]), ([3, 2, 1, 0], [1, 1, 1, 1]), ([0], [700]), ([0, 3], [1, 1])]
+
+
+@pytest.mark.parametrize("cfg,h,hkv,d,dtype", CONFIGS,
+                         ids=[f"{c.k_bits}k{c.v_bits}v-G{c.group_size}-{c.key_grouping}-{c.scale_dtype}-D{d}-"
+                              f"{str(dt).split('.')[-1]}" for c, _, _, d, dt in CONFIGS])
+def test_matches_reference(cfg, h, hkv, d, dtype, isa) -> None:
+    run = Run(cfg, h, hkv, d, dtype)
+    for slots, chunks in SCHEDULE:
+        out_ref, out_nat, v = run.step(slots, chunks, isa=isa)
+        run.assert_stores_equal()
+        err = float((out_ref.float() - out_nat.float()).abs().max())
+        assert err <= _tol(dtype, v), f"step {slots} {chunks}: max |native - reference| = {err}"
+    assert max(run.past) > LIB.split_len()  # the schedule exercised more than one key split
+
+
+def test_special_groups_bit_exact(isa) -> None:
+    """Constant groups (scale 0), tiny ranges (subnormal fp16 scales), huge ranges and exact rounding ties."""
+    cfg = KiviConfig(residual_length=0)
+    run = Run(cfg, 2, 2, 64, torch.float32, slots=1)
+    n = 96
+    k = torch.randn(n, 2, 64, generator=run.gen)
+    k[:32, 0] = 0.75  # constant per channel over the first group
+    k[32:64, 1] = k[32:64, 1] * 1e-6  # range ~1e-6: fp16 subnormal scale
+    k[64:, 0, :8] = torch.tensor([0.0, 3.0, 1.5, 0.5, 2.5, 1.0, 2.0, 3.0]).repeat(4)[:, None]  # exact .5 ties
+    v = k.clone() * 1e4  # |v| up to ~4e4: scales near the top of fp16's range
+    v[:, :, 32:] = 1e-5 * torch.randn(n, 2, 32, generator=run.gen)
+    q = torch.randn(n, 2, 64, generator=run.gen)
+    out_ref, out_nat, _ = run.step([0], [n], isa=isa, qkv=(q, k, v))
+    run.assert_stores_equal()
+    assert torch.allclose(out_ref, out_nat, rtol=1e-4, atol=1e-4 * float(v.abs().max()))
+
+
+def test_thread_count_invariance(isa) -> None:
+    """Split points are fixed: any thread count gives the same bits (outputs and stores)."""
+    cfg = KiviConfig()
+    runs = {t: Run(cfg, 6, 2, 64, torch.float32, seed=3) for t in (1, 2, 3, 8)}
+    for slots, chunks in SCHEDULE:
+        qkv = runs[1].inputs(chunks)
+        outs = {t: r.step(slots, chunks, isa=isa, threads=t, qkv=qkv)[1] for t, r in runs.items()}
+        for t in (2, 3, 8):
+            assert torch.equal(outs[1], outs[t]), f"threads={t} differs from threads=1 at step {slots} {chunks}"
+            for a, b in zip(runs[1].nat, runs[t].nat, strict=True):
+                assert torch.equal(a, b)
+
+
+def test_batch_invariance(isa) -> None:
+    """A sequence's output bits do not depend on what else is in the step (decode and prefill rows)."""
+    cfg = KiviConfig()
+    alone = Run(cfg, 6, 2, 64, torch.float32, seed=5)
+    mixed = Run(cfg, 6, 2, 64, torch.float32, seed=5)
+    gen = torch.Generator().manual_seed(9)
+    for chunk in (900, 1, 1, 40, 1):
+        qkv = tuple(torch.randn(chunk, hh, 64, generator=gen) for hh in (6, 2, 2))
+        out_alone = alone.step([0], [chunk], isa=isa, qkv=qkv)[1]
+        other = tuple(torch.randn(17, hh, 64, generator=gen) for hh in (6, 2, 2))
+        both = tuple(torch.cat([o, x]) for o, x in zip(other, qkv, strict=True))  # sequence 0 second in the batch
+        out_mixed = mixed.step([2, 0], [17, chunk], isa=isa, qkv=both)[1]
+        assert torch.equal(out_alone, out_mixed[17:]), f"chunk {chunk}: batch composition changed the bits"
+
+
+def test_paths_agree() -> None:
+    """Every supported path computes the same attention (up to fp32 reassociation) and the same stores."""
+    supported = [i for i in ISAS if LIB.isa_supported(i)]
+    runs = {i: Run(KiviConfig(), 6, 2, 64, torch.float32, seed=11) for i in supported}
+    for slots, chunks in SCHEDULE[:4]:
+        qkv = runs[supported[0]].inputs(chunks)
+        outs = {i: r.step(slots, chunks, isa=i, qkv=qkv)[1] for i, r in runs.items()}
+        for i in supported[1:]:
+            assert torch.allclose(outs[supported[0]], outs[i], rtol=0, atol=2e-5)
+            for a, b in zip(runs[supported[0]].nat, runs[i].nat, strict=True):
+                assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dense_matches_full_cache(cache_dtype, isa) -> None:
+    """full_attention_cpu_ is FullCache.attention: same cache contents (bit-exact casts), attention in tolerance."""
+    geom = Geometry(1, 8, 2, 64)
+    ref = FullCache(geom, 3, 1200, cache_dtype)
+    k_cache, v_cache = ref.k[0].clone(), ref.v[0].clone()
+    for _ in range(3):
+        ref.add_sequence()
+    gen = torch.Generator().manual_seed(2)
+    for slots, chunks in ([0, 1, 2], [600, 5, 33]), ([0, 1, 2], [1, 1, 1]), ([2, 1], [540, 1]):
+        step = ref.begin_step(slots, chunks)
+        n = sum(chunks)
+        q, k, v = (torch.randn(n, hh, 64, generator=gen) for hh in (8, 2, 2))
+        out_ref = ref.attention(0, q, k, v, step)
+        out_nat = full_attention_cpu_(q, k, v, step.slot_ids, step.past_len, step.chunk_len, k_cache, v_cache,
+                                      isa=isa)
+        ref.end_step(step)
+        assert torch.equal(ref.k[0], k_cache) and torch.equal(ref.v[0], v_cache)
+        err = float((out_ref - out_nat).abs().max())
+        assert err <= 2e-5 * max(1.0, float(v.abs().max())), err
+
+
+def _one_step_args(run: Run, slots, chunks):
+    q, k, v = run.inputs(chunks)
+    i32 = dict(dtype=torch.int32)
+    return [q, k, v, torch.tensor(slots, **i32), torch.tensor([run.past[s] for s in slots], **i32),
+            torch.tensor(chunks, **i32), run.tables[slots].contiguous()]
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda a: a.__setitem__(3, torch.tensor([0, 0], dtype=torch.int32)), "appears twice"),
+    (lambda a: a.__setitem__(3, torch.tensor([0, 9], dtype=torch.int32)), "slot id 9 out of range"),
+    (lambda a: a.__setitem__(5, torch.tensor([3, 4], dtype=torch.int32)), "sum\\(chunk_len\\)=7"),
+    (lambda a: a.__setitem__(4, torch.tensor([-1, 0], dtype=torch.int32)), "must be >= 0"),
+    (lambda a: a.__setitem__(6, torch.full((2, 16), -1, dtype=torch.int32)), "block id -1"),
+    (lambda a: a.__setitem__(4, torch.tensor([5000, 0], dtype=torch.int32)), "past the block table's capacity"),
+    (lambda a: a.__setitem__(0, a[0].double()), "activation dtype"),
+    (lambda a: a.__setitem__(0, a[0].transpose(0, 1).contiguous().transpose(0, 1)), "must be contiguous"),
+])
+def test_bad_inputs_raise_and_corrupt_nothing(mutate, match) -> None:
+    run = Run(KiviConfig(), 4, 2, 64, torch.float32)
+    run.step([0, 1], [300, 2])
+    args = _one_step_args(run, [0, 1], [1, 2])
+    mutate(args)
+    before = run.nat.clone()
+    with pytest.raises(ValueError, match=match):
+        kivi_attention_cpu_(*args, run.nat, run.cfg)
+    for a, b in zip(before, run.nat, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_unsupported_geometry_and_isa() -> None:
+    cfg = KiviConfig()
+    bufs = KiviBuffers.allocate(cfg, 2, 96, 4, 2, torch.float32)
+    i32 = dict(dtype=torch.int32)
+    with pytest.raises(ValueError, match="head_dim=96"):
+        kivi_attention_cpu_(torch.zeros(1, 2, 96), torch.zeros(1, 2, 96), torch.zeros(1, 2, 96),
+                            torch.tensor([0], **i32), torch.tensor([0], **i32), torch.tensor([1], **i32),
+                            torch.zeros(1, 2, **i32), bufs, cfg)
+    with pytest.raises(ValueError, match="isa='sse9'"):
+        kivi_attention_cpu_(torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), torch.zeros(1, 2, 64),
+                            torch.tensor([0], **i32), torch.tensor([0], **i32), torch.tensor([1], **i32),
+                            torch.zeros(1, 2, **i32), KiviBuffers.allocate(cfg, 2, 64, 4, 2, torch.float32), cfg,
+                            isa="sse9")
+    missing = [i for i in ISAS if not LIB.isa_supported(i)]
+    if missing:
+        with pytest.raises(ValueError, match=f"isa path {missing[0]} is not supported"):
+            kivi_attention_cpu_(torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), torch.zeros(1, 2, 64),
+                                torch.tensor([0], **i32), torch.tensor([0], **i32), torch.tensor([1], **i32),
+                                torch.zeros(1, 2, **i32), KiviBuffers.allocate(cfg, 2, 64, 4, 2, torch.float32),
+                                cfg, isa=missing[0])
+
+
+def test_library_metadata() -> None:
+    from trtllm_kivi.format import FORMAT_VERSION
+    assert LIB.format_version() == FORMAT_VERSION
+    assert LIB.resolve_isa("auto") in ("portable", "avx2", "avx512")
+    assert LIB.isa_supported("portable")
+    assert LIB.split_len() % 128 == 0 and math.gcd(LIB.split_len(), 512) == 512

@@ -1,0 +1,341 @@
+"""benchmarks/kernel_model.py, the static performance model of the decode kernels (CPU only).
+
+Oracles: the bank model on patterns whose wavefront counts follow from 32 banks x 4 bytes; the occupancy arithmetic of
+the CUDA occupancy rules worked by hand; the launch plan against trtllm_kivi/cuda/model.py (itself tested against the
+C++ kiviLaunchPlan in test_kernels_host.py) and issue 12's numbers (9 splits, 576 CTAs, 528 slots, 1.09 waves); the
+SASS walker on a tiny nvcc-compiled kernel whose executed counts are known from its source; the calibration against
+issue 12's hand count of today's kernels (within 20%); determinism of two runs. The compile-based tests skip with the
+missing tool's name when nvcc or the nvdisasm / cuobjdump wheels are absent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from trtllm_kivi.cuda import model as cpu_model
+from trtllm_kivi.format import KiviConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("kernel_model", ROOT / "benchmarks" / "kernel_model.py")
+km = importlib.util.module_from_spec(_spec)
+sys.modules["kernel_model"] = km
+_spec.loader.exec_module(km)
+
+
+def _tools_or_skip() -> None:
+    try:
+        km.find_nvcc()
+        km.find_wheel_tool("nvdisasm")
+        km.find_wheel_tool("cuobjdump")
+    except km.ToolMissing as exc:
+        pytest.skip(f"kernel model needs its tools: {exc}")
+
+
+# ----------------------------------------------------------------------------------------------- bank model
+
+
+def test_bank_model_known_patterns():
+    assert km.wavefronts([lane * 4 for lane in range(32)], 4) == 1  # consecutive words
+    assert km.wavefronts([lane * 128 for lane in range(32)], 4) == 32  # stride 32 words: one bank, 32 words
+    assert km.wavefronts([lane * 64 for lane in range(32)], 4) == 16  # stride 16 words: 2 banks x 16 words
+    assert km.wavefronts([0] * 32, 4) == 1  # broadcast
+    assert km.wavefronts([lane * 2 for lane in range(32)], 2) == 1  # 16-bit consecutive: 16 words
+    assert km.wavefronts([lane * 16 for lane in range(32)], 16) == 4  # 512 contiguous bytes
+    assert km.wavefronts([lane * 8 for lane in range(32)], 8) == 2
+    assert km.wavefronts([lane * 129 * 4 for lane in range(32)], 4) == 1  # padded rows (kS[lane][d])
+    assert km.wavefronts([None] * 31 + [0], 4) == 1
+    assert km.wavefronts([None] * 32, 4) == 0
+
+
+def test_declared_mappings_give_the_conflicts_issue_12_names():
+    """The SIMT V staging store (kiviAttention.cuh vS[tok][wi * 16 + i]) is 16-way; its K store and the padded
+    kS[lane][d] read are conflict-free; the WMMA kernel's 16-bit V store is 4-way."""
+    ctx = km.Ctx(km.MODELS["llama-3-8b"], True)
+    by = {(a.text, a.op): km.wavefronts(a.lanes(ctx), 4 if a.op != "LDSM" else 16) for a in km.SIMT_SMEM}
+    assert by[("storeSmem<T>(vS[tok][wi * kPW + i]", "STS")] == 16
+    assert by[("storeSmem<T>(kS[wi * kPW + i][d]", "STS")] == 1
+    assert by[("float const kv = kS[lane][d];", "LDS")] == 1
+    tc = {(a.text, a.op): a for a in km.TC_SMEM}
+    assert km.wavefronts(tc[("storeSmem<T>(vS[tok][wi * kPW + i]", "STS")].lanes(ctx), 2) == 4
+    assert km.wavefronts(tc[("wmma::load_matrix_sync(aFrag, &qS[0][kk * 16], kLDH);", "LDSM")].lanes(ctx), 16) == 4
+
+
+# ----------------------------------------------------------------------------------------------- occupancy
+
+
+@pytest.mark.parametrize("regs,smem,gpu,ctas,limiter", [
+    (128, 41088, "H200", 4, "registers"),  # 128 x 32 = 4096 per warp, 16384 per CTA -> 65536 / 16384
+    (80, 33984, "H200", 6, "registers"),  # 2560 per warp x 4 = 10240 -> 6.4; smem 228K / 35008 = 6.67
+    (65, 0, "H200", 7, "registers"),  # 65 x 32 = 2080 -> 2304 per warp (256-register units) -> 65536 / 9216 = 7.1
+    (128, 41088, "A100", 3, "shared_memory"),  # 164K / (41088 + 1024) = 3.99
+    (24, 0, "H200", 16, "threads"),  # 2048 / 128 (registers would allow 21)
+])
+def test_occupancy_arithmetic(regs, smem, gpu, ctas, limiter):
+    occ = km.occupancy(km.Resources(regs, smem, 0, 0, 0), 128, km.GPUS[gpu])
+    assert occ["ctas_per_sm"] == ctas
+    assert occ["limiter"] == limiter
+
+
+def test_occupancy_cta_limit():
+    occ = km.occupancy(km.Resources(16, 0, 0, 0, 0), 32, km.GPUS["H200"])
+    assert occ["ctas_per_sm"] == 32 and occ["limiter"] == "cta_limit"
+
+
+# ----------------------------------------------------------------------------------------------- launch plan
+
+
+@pytest.mark.parametrize("model", ["llama-3-8b", "llama-2-7b"])
+@pytest.mark.parametrize("batch", [1, 3, 8, 32, 100])
+@pytest.mark.parametrize("context", [300, 4096, 32768, 131072])
+@pytest.mark.parametrize("sms", [108, 132])
+def test_launch_plan_matches_kiviparams(model, batch, context, sms):
+    """The model's mirror of the tree's kiviLaunchPlan: today's split rule (4 CTAs per SM target) or, once the
+    mma.sync kernel's plan is in the tree (cpu_model.launch_plan takes ctas_per_sm), that rule at 3 CTAs per SM."""
+    shape = km.MODELS[model]
+    cfg = KiviConfig()
+    mbs = -(-context // cfg.block_size)
+    args = (cfg, shape.num_heads, shape.num_kv_heads, shape.head_dim, batch, batch, mbs, 1, context, sms)
+    if "ctas_per_sm" in inspect.signature(cpu_model.launch_plan).parameters:
+        got = km.mma_launch_plan(shape, batch, context, sms, context, 3)
+        want = cpu_model.launch_plan(*args, ctas_per_sm=3)
+    else:
+        got = km.launch_plan(shape, batch, context, sms, context)
+        want = cpu_model.launch_plan(*args)
+    assert (got.num_tiles, got.split_len, got.num_splits) == (want.num_tiles, want.split_len, want.num_splits)
+    infos, _ = cpu_model.prepare(want, cfg, list(range(batch)), [context - 1] * batch, [1] * batch,
+                                 __import__("torch").zeros(batch, mbs, dtype=__import__("torch").int32), batch,
+                                 batch * mbs, batch)
+    assert all(i.split_len == got.seq_split_len for i in infos)
+
+
+def test_waves_of_issue_12():
+    """Issue 12: Llama-3-8B, batch 8, 32K on 132 SMs: 9 splits -> 576 CTAs for 528 resident slots, 1.09 waves."""
+    plan = km.launch_plan(km.MODELS["llama-3-8b"], 8, 32768, 132, 32768)
+    assert plan.num_splits == 9
+    assert plan.num_tiles * 8 * plan.num_splits == 576
+    occ = km.occupancy(km.Resources(128, 41088, 0, 0, 0), 128, km.GPUS["H200"])
+    assert occ["ctas_per_sm"] * 132 == 528
+    assert round(576 / 528, 2) == 1.09
+
+
+def test_mma_plan_fills_one_wave():
+    """The new kernel's split rule (splits = slots / (tiles x Hkv)): Llama-3-8B, batch 8, 32K, 3 CTAs/SM on 132 SMs ->
+    396 slots, 8 x 8 = 64 base CTAs, 6 splits of 5,472 keys = 384 CTAs, one wave; never more CTAs than slots while
+    tiles x Hkv fit in them."""
+    plan = km.mma_launch_plan(km.MODELS["llama-3-8b"], 8, 32768, 132, 32768, 3)
+    assert (plan.num_tiles, plan.num_splits, plan.split_len) == (8, 6, 5472)
+    for model in km.MODELS.values():
+        for batch in (1, 8, 32):
+            for ctx in (4096, 32768, 131072):
+                p = km.mma_launch_plan(model, batch, ctx, 132, ctx, 3)
+                base = p.num_tiles * model.num_kv_heads
+                assert base * p.num_splits <= max(396, base)
+
+
+def test_kivi_tile_bytes():
+    assert km.kivi_tile_bytes(km.MODELS["llama-3-8b"]) == 3072  # issue 12's "3,072-byte tile"
+    assert km.kivi_code_words(km.MODELS["llama-3-8b"]) == 512
+
+
+# ----------------------------------------------------------------------------------------------- SASS parsing
+
+SASS = """
+.text.myKernel:
+	//## File "/x/k.cuh", line 10
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+	//## File "/x/c.cuh", line 3 inlined at "/x/k.cuh", line 12
+	//## File "/x/k.cuh", line 12
+        /*0010*/                   LDS.128 R4, [R2] ;
+        /*0020*/              @!P0 BRA `(.L_x_1) ;
+.L_x_2:
+	//## File "/x/k.cuh", line 14
+        /*0030*/                   FFMA R4, R4, R5, R6 ;
+        /*0040*/               @P1 BRA `(.L_x_2) ;
+        /*0050*/                   BRA.DIV UR4, `(.L_x_3) ;
+        /*0058*/              @!PT LDS RZ, [RZ] ;
+        /*005c*/               @P2 CALL.REL.NOINC `(.L_x_1) ;
+.L_x_1:
+        /*0060*/                   EXIT ;
+.L_x_3:
+        /*0070*/                   WARPSYNC.ALL ;
+        /*0080*/                   BRA `(.L_x_1) ;
+"""
+
+
+def test_parse_sass_stacks_blocks_and_loops():
+    funcs = km.parse_sass(SASS)
+    ins = funcs["myKernel"]
+    assert [i.opcode for i in ins] == ["MOV", "LDS.128", "BRA", "FFMA", "BRA", "BRA.DIV", "LDS", "CALL.REL.NOINC",
+                                       "EXIT", "WARPSYNC.ALL", "BRA"]
+    assert ins[1].stack == (("/x/c.cuh", 3), ("/x/k.cuh", 12))  # innermost first
+    assert ins[2].stack == ins[1].stack and ins[2].pred == "@!P0"
+    assert ins[3].label == ".L_x_2" and ins[3].stack == (("/x/k.cuh", 14),)
+    assert ins[6].pred == "@!PT"
+    blocks = km.basic_blocks(ins)
+    # a CALL to a local label is a (here conditional) jump: sm_80 loops exit that way
+    assert [len(b.instrs) for b in blocks] == [3, 2, 1, 2, 1, 2]
+    assert blocks[0].succs == [4, 1] and blocks[1].succs == [1, 2] and blocks[2].div_succs == [5]
+    assert blocks[3].succs == [4, 4]
+    live = km.reachable(blocks)
+    assert live == {0, 1, 2, 3, 4}  # the BRA.DIV fallback is not reached by converged warps
+    loops = km.find_loops(blocks, live)
+    assert [(lp.head, lp.tail) for lp in loops] == [(1, 1)]
+    assert km.op_class("LDS.128") == "LDS" and km.op_class("HMMA.16816.F32") == "MMA"
+    assert km.op_class("LDGSTS.E.BYPASS.128") == "LDGSTS" and km.op_class("IADD3") == "ALU"
+    assert km.smem_width("LDS.128") == 16 and km.smem_width("STS.U16") == 2 and km.smem_width("LDS") == 4
+
+
+def test_parse_ptxas():
+    text = ("ptxas info    : Compiling entry function '_Z3fooPf' for 'sm_90'\nptxas info    : Function properties "
+            "for _Z3fooPf\n    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\nptxas info    : Used 40 "
+            "registers, used 1 barriers, 2048 bytes smem\nptxas info    : Compiling entry function '_Z3barPf' for "
+            "'sm_90'\nptxas info    : Used 20 registers\n")
+    assert km.parse_ptxas(text, "3foo") == km.Resources(40, 2048, 8, 4, 4)
+    assert km.parse_ptxas(text, "3bar") == km.Resources(20, 0, 0, 0, 0)
+
+
+def test_a_kernel_absent_from_the_tree_is_skipped(tmp_path):
+    spec = km.from_root(km.KERNELS[0], tmp_path)  # no plugins/ there
+    assert not km.present(spec) and km.present(km.KERNELS[0])
+
+
+def test_missing_tools_are_named(monkeypatch, capsys):
+    monkeypatch.setattr(km, "find_wheel_tool", lambda name: (_ for _ in ()).throw(
+        km.ToolMissing(f"{name} not found: pip install the test extra")))
+    monkeypatch.setattr(km, "find_nvcc", lambda: "/usr/bin/true")
+    assert km.main(["--out", "/nonexistent/x.json"]) == 2
+    assert "nvdisasm not found" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------- tiny kernel
+
+TINY = r"""
+#pragma once
+__global__ void tinyKernel(float const* __restrict__ x, float* y, int tiles)
+{
+    __shared__ float s[512];
+    float acc = 0.F;
+    for (int t = 0; t < tiles; ++t) // KIVI_MODEL_LOOP(tile)
+    {
+        PRAGMA
+        for (int u = threadIdx.x; u < 512; u += 128) // KIVI_MODEL_LOOP(fill)
+        {
+            s[u] = x[t * 512 + u]; // KIVI_MODEL_ANCHOR(fill)
+        }
+        __syncthreads();
+        acc += s[(threadIdx.x * 32) % 512];
+        __syncthreads();
+    }
+    y[threadIdx.x] = acc;
+}
+"""
+
+
+def _tiny_spec(tmp_path: Path, pragma: str):
+    (tmp_path / "tiny.cuh").write_text(TINY.replace("PRAGMA", pragma))
+    return km.KernelSpec(
+        "tiny", "10tinyKernel", ("tiny.cuh",), "", 128,
+        (km.LoopSpec("tile", lambda c: 1, "BRA"), km.LoopSpec("fill", lambda c: 4, "STS")), (), (),
+        (km.SmemAccess("tiny.cuh", "acc += s[(threadIdx.x * 32) % 512];", "LDS",
+                       km._lanes(lambda lane: (lane * 32) % 512 * 4), "stride 32 words"),
+         km.SmemAccess("tiny.cuh", "s[u] = x[t * 512 + u];", "STS", km._lanes(lambda lane: lane * 4), "consecutive")),
+        lambda s: 2048, lambda s: 512, 1, include_dirs=(tmp_path,))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pragma", ["#pragma unroll 1", "#pragma unroll 2", ""])
+def test_walker_counts_a_tiny_kernel(tmp_path, pragma):
+    """Per tile and CTA (4 warps; 128 threads, so 4 iterations of the fill loop per thread): 16 warp-LDGs and 16 STS
+    (one wavefront each), 2 barriers per warp -> 8, one LDS per warp at word (lane * 32) % 512 -> 16 words of bank 0
+    -> 16 wavefronts each. nvcc's unrolled versions (a runtime remainder for an N it cannot see) are either counted
+    exactly or refused with a message naming the loop -- never miscounted."""
+    _tools_or_skip()
+    results, _ = km.analyze([_tiny_spec(tmp_path, pragma)], ["sm_90"], jobs=1, work=tmp_path)
+    ctx = km.Ctx(km.MODELS["llama-3-8b"], True)
+    try:
+        tile, _rest = results[("tiny", "sm_90")].counts(ctx)
+    except ValueError as exc:
+        assert pragma != "#pragma unroll 1", exc  # the plain loop must be counted
+        assert "loop fill" in str(exc)
+        return
+    assert tile.by_class["LDG"] == pytest.approx(16)
+    assert tile.by_class["STS"] == pytest.approx(16)
+    assert tile.by_class["LDS"] == pytest.approx(4)
+    assert tile.by_class["BAR"] == pytest.approx(8)
+    assert tile.wavefronts == pytest.approx(16 * 1 + 4 * 16)
+    assert not tile.unmapped_smem
+
+
+# ----------------------------------------------------------------------------------------------- today's kernels
+
+
+@pytest.fixture(scope="module")
+def sm90_results():
+    _tools_or_skip()
+    return km.analyze(archs=["sm_90"])
+
+
+def _h200_records(results, versions):
+    return km.build_records(results, versions, gpus=["H200"])
+
+
+@pytest.mark.slow
+def test_calibration_against_issue_12(sm90_results):
+    records = _h200_records(*sm90_results)
+    cal = km.calibration(records)
+    assert {c["kernel"] for c in cal} == {"simt", "wmma"}
+    for c in cal:
+        for row in c["rows"]:
+            assert row["within_tolerance"], (c["kernel"], row)
+
+
+@pytest.mark.slow
+def test_records_have_the_contract_fields(sm90_results):
+    records = _h200_records(*sm90_results)
+    kernels = {name for name, _ in sm90_results[0]}
+    assert kernels == {s.name for s in km.KERNELS if km.present(s)}
+    assert len(records) == len(kernels) * 2 * 3 * 3
+    for r in records:
+        assert {"gpu", "model", "batch", "context", "kernel", "default", "predicted_us", "fp16_us",
+                "speedup_vs_fp16", "bound"} <= set(r)
+        assert r["bound"] in ("issue", "shared", "memory")
+        assert r["predicted_us"] > 0 and r["fp16_us"] > 0
+        assert r["zero_spills"] is (r["resources"]["spill_stores"] == 0 and r["resources"]["spill_loads"] == 0)
+        assert r["resources"]["cuobjdump"]["REG"] == r["resources"]["registers"]
+        assert not r["per_tile"]["unmapped_smem"], r["per_tile"]["unmapped_smem"]
+        if r["gpu"] == "H200":  # issue 12: <= 880 issue slots and ~220 wavefronts per 3,072-byte tile
+            assert round(r["budget_per_tile_at_85pct_copy_bw"]["warp_instructions"], -1) == 880
+            assert round(r["budget_per_tile_at_85pct_copy_bw"]["wavefronts"], -1) == 220
+    assert sum(r["default"] for r in records if r["model"] == "llama-3-8b" and r["batch"] == 8
+               and r["context"] == 32768) == 1
+
+
+@pytest.mark.slow
+def test_gate_follows_the_default_records_bound(sm90_results):
+    records = _h200_records(*sm90_results)
+    default = next(r for r in records if r["default"] and r["model"] == "llama-3-8b" and r["batch"] == 8
+                   and r["context"] == 32768)
+    why = km.gate_default_memory_bound(records)
+    assert (why is None) == (default["bound"] == "memory")
+    if why:
+        assert default["kernel"] in why and default["bound"] in why
+    fake = [dict(default, bound="memory")]
+    assert km.gate_default_memory_bound(fake) is None
+    assert "issue-bound" in km.gate_default_memory_bound([dict(default, bound="issue")])
+    assert "found 0" in km.gate_default_memory_bound([dict(default, default=False)])
+
+
+@pytest.mark.slow
+def test_two_runs_are_equal(sm90_results):
+    """A second compile + disassembly + walk of the default kernel gives byte-identical records."""
+    again = km.analyze(specs=[km.KERNELS[0]], archs=["sm_90"])
+    first = {k: v for k, v in sm90_results[0].items() if k[0] == km.KERNELS[0].name}
+    a = json.dumps(_h200_records(first, sm90_results[1]), sort_keys=True)
+    b = json.dumps(_h200_records(*again), sort_keys=True)
+    assert a == b
