@@ -61,11 +61,12 @@ def test_any_split_gives_the_one_shot_state(data):
     cfg = KiviConfig(k_bits=data.draw(st.sampled_from([2, 4, 8])), v_bits=data.draw(st.sampled_from([2, 4])),
                      group_size=g_size, residual_length=data.draw(st.sampled_from([0, 32, 128]), label="R"),
                      block_size=g_size * data.draw(st.sampled_from([1, 2, 4])),
-                     key_grouping=data.draw(st.sampled_from(["per_channel", "per_token"])))
+                     key_grouping=data.draw(st.sampled_from(["per_channel", "per_token"])),
+                     sink_tokens=data.draw(st.sampled_from([0, 0, 1, 4, 33, 128]), label="S"))
     heads, kv_heads = data.draw(st.sampled_from([(2, 2), (4, 2), (6, 2), (8, 1)]), label="GQA")
     d = data.draw(st.sampled_from([64, 128]), label="head_dim")
     dtype = data.draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
-    t = data.draw(st.integers(1, cfg.residual_length + 5 * g_size), label="T")
+    t = data.draw(st.integers(1, cfg.sink_tokens + cfg.residual_length + 5 * g_size), label="T")
     cuts = sorted(set(data.draw(st.lists(st.integers(1, t), max_size=6))))
     cuts = [c for c in cuts if c < t] + [t]
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
@@ -81,19 +82,21 @@ def test_any_split_gives_the_one_shot_state(data):
     whole = KiviCache(cfg, geom, max_slots=1, max_seq_len=t, dtype=dtype)
     run_chunks(whole, whole.add_sequence(), q, k, v, [t])
 
-    n_q = cfg.num_quantized(t)
+    n_q, s0 = cfg.num_quantized(t), min(cfg.sink_tokens, t)
     for layer in range(2):
         a, b = split.sequence_state(slot, layer), whole.sequence_state(0, layer)
         assert a.keys() == b.keys()
         for name in a:  # bit-identical stored state, whatever the split
             assert torch.equal(a[name], b[name]), name
-        # ... equal to one-shot quantization of the first n_q tokens, and the rest in the window.
+        # ... equal to the sinks [0, S) in full precision, one-shot quantization of tokens [S, S + n_q) (groups
+        # start at S, format.py) and the rest in the window.
         kl, vl = (k + layer).transpose(0, 1), (v - layer).transpose(0, 1)  # [Hkv, T, D]
-        assert torch.equal(a["k_window"], kl[:, n_q:]) and torch.equal(a["v_window"], vl[:, n_q:])
+        full = torch.cat([torch.arange(s0), torch.arange(s0 + n_q, t)])
+        assert torch.equal(a["k_window"], kl[:, full]) and torch.equal(a["v_window"], vl[:, full])
         if n_q:
             store = state_from_blocks(a, n_q)
-            kc, ks, kz = quantize_keys(kl[:, :n_q], cfg)
-            vc, vs, vz = quantize_values(vl[:, :n_q], cfg)
+            kc, ks, kz = quantize_keys(kl[:, s0:s0 + n_q], cfg)
+            vc, vs, vz = quantize_values(vl[:, s0:s0 + n_q], cfg)
             for name, ref in zip(("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"),
                                  (kc, ks, kz, vc, vs, vz)):
                 assert torch.equal(store[name][:, : ref.shape[1]], ref), name

@@ -33,7 +33,12 @@ def runner(model, cfg, backend, slots=2, n=256):
 
 
 @pytest.mark.parametrize("cfg", [KIVI2, KiviConfig(k_bits=4, v_bits=2, residual_length=32),
-                                 KiviConfig(key_grouping="per_token", residual_length=32, block_size=64)])
+                                 KiviConfig(key_grouping="per_token", residual_length=32, block_size=64),
+                                 # FORMAT_VERSION 2 options: sinks (flushes at S + R + kG), rotation per layer
+                                 KiviConfig(residual_length=32, sink_tokens=4, k_rotation="hadamard",
+                                            v_rotation="hadamard"),
+                                 KiviConfig(residual_length=32, sink_tokens=45, k_rotation=("hadamard", "none"),
+                                            v_rotation=("none", "hadamard"))])
 def test_memo_is_bit_identical_to_reference(tiny, cfg):
     model, tokens = tiny
     a, b = runner(model, cfg, "reference"), runner(model, cfg, "memo")

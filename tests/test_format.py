@@ -38,6 +38,12 @@ HEADER = REPO / "plugins" / "include" / "kiviFormat.h"
     (dict(group_size=64, block_size=96), r"block_size=96 must be a positive multiple of group_size=64"),
     (dict(scale_dtype="int8"), r"scale_dtype='int8' is not supported; allowed: float16, bfloat16, float32"),
     (dict(key_grouping="per_head"), r"key_grouping='per_head' is not supported; allowed: per_channel, per_token"),
+    (dict(sink_tokens=-1), r"sink_tokens=-1 must be an integer in \[0, 128\]"),
+    (dict(sink_tokens=129), r"sink_tokens=129 must be an integer in \[0, 128\]"),
+    (dict(sink_tokens=True), r"sink_tokens=True must be an integer in \[0, 128\]"),
+    (dict(k_rotation="quarot"), r"k_rotation='quarot' is not supported; allowed: none, hadamard"),
+    (dict(v_rotation=("none", "givens")), r"v_rotation\[1\]='givens' is not supported; allowed: none, hadamard"),
+    (dict(k_rotation=()), r"k_rotation=\(\) must name a rotation per layer"),
 ])
 def test_config_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -113,6 +119,58 @@ def test_num_quantized_formula(t, r, g):
         assert r <= t - n_q <= cfg.window_capacity
     else:
         assert n_q == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(t=st.integers(0, 3000), r=st.integers(0, 300), g=st.sampled_from(fmt.SUPPORTED_GROUP_SIZES),
+       s=st.integers(0, fmt.MAX_SINK_TOKENS))
+def test_num_quantized_with_sinks(t, r, g, s):
+    # format.py: sinks never enter a group; groups start at S: n_q(T) = max(0, floor((T - S - R) / G)) * G.
+    cfg = KiviConfig(group_size=g, residual_length=r, block_size=128, sink_tokens=s)
+    n_q = cfg.num_quantized(t)
+    assert n_q == max(0, (t - s - r) // g) * g
+    ring = t - min(s, t) - n_q  # tokens held in the ring after the sinks and the store
+    assert 0 <= ring <= cfg.window_capacity and (t < s + r or ring >= r)
+    rows = [cfg.window_row(x) for x in range(min(s, t))] + [cfg.window_row(x) for x in range(s + n_q, t)]
+    assert len(set(rows)) == len(rows) and all(0 <= x < cfg.window_rows for x in rows)  # live rows never collide
+    assert cfg.window_rows == s + r + g - 1
+    if n_q:
+        assert cfg.flush_point(n_q // g) <= t < cfg.flush_point(n_q // g + 1)
+
+
+def test_sinks_by_hand():
+    # S = 4, R = 128, G = 32: the first group [4, 36) is quantized at T = 4 + 128 + 32 = 164.
+    c = KiviConfig(sink_tokens=4)
+    assert [c.num_quantized(t) for t in (0, 4, 163, 164, 195, 196)] == [0, 0, 0, 32, 32, 64]
+    assert (c.window_row(3), c.window_row(4), c.window_row(4 + 159), c.window_rows) == (3, 4, 4, 163)
+    assert fmt.buffer_shapes(c, 3, 64, 1, 2)["k_window"] == (2, 3, 163, 64)
+
+
+def test_rotation_fields():
+    c = KiviConfig(k_rotation=["none", "hadamard", "none"], v_rotation="hadamard")  # a JSON list -> a tuple
+    assert c.k_rotation == ("none", "hadamard", "none") and c.rotated
+    assert [c.k_rotation_of(i) for i in range(3)] == ["none", "hadamard", "none"]
+    assert c.for_layer(1).k_rotation == "hadamard" and c.for_layer(0).v_rotation == "hadamard"
+    assert KiviConfig(k_rotation=("hadamard", "hadamard")).k_rotation == "hadamard"  # one spelling when uniform
+    assert not KiviConfig().rotated  # never on by default (DESIGN.md)
+    assert KiviConfig.from_dict(c.to_dict()) == c
+    c.check_num_layers(3)
+    with pytest.raises(ValueError, match=r"k_rotation names 3 layers but the model has num_layers=30"):
+        c.check_num_layers(30)
+    with pytest.raises(ValueError, match=r"head_dim=96 has no Sylvester Hadamard matrix"):
+        KiviConfig(k_rotation="hadamard").check_head_dim(96)
+    KiviConfig().check_head_dim(96)  # unrotated: any multiple of 32
+
+
+def test_sink_bytes_are_counted():
+    # The window buffer of each slot holds S sink rows before the ring of R + G - 1 (fp16, K and V).
+    g = Geometry(30, 9, 3, 64)
+    plain, sinks = KiviConfig(), KiviConfig(sink_tokens=4)
+    assert fmt.window_bytes(sinks, 3, 64) - fmt.window_bytes(plain, 3, 64) == 2 * 4 * 3 * 64 * 2
+    # T = 8192: n_q = (8192 - 4 - 128) // 32 * 32 = 8032 -> 63 blocks of 128 tokens x 144 bytes (3 heads x 64:
+    # 96 code bytes + 24 K + 24 V scale/zero bytes); window 2 x 163 rows x 3 x 64 x 2 bytes = 125184; x 30 layers.
+    assert sinks.num_quantized(8192) == 8032 == plain.num_quantized(8192) - 32
+    assert fmt.kivi_total_bytes(sinks, g, 8192) == 30 * (63 * 128 * 144 + 125184)
 
 
 # ---------------------------------------------------------------------------------------------- layouts
@@ -207,6 +265,11 @@ def test_header_compiles_and_agrees_with_python(tmp_path):
             checks.append(f"static_assert(windowCapacity({r}, {g}) == {cfg.window_capacity});")
             for t in (0, 1, r, r + g - 1, r + g, r + 5 * g + 7, 100_000):
                 checks.append(f"static_assert(numQuantized({t}, {r}, {g}) == {cfg.num_quantized(t)});")
+                for sk in (1, 4, 128):
+                    cs = KiviConfig(group_size=g, residual_length=r, block_size=128, sink_tokens=sk)
+                    checks.append(f"static_assert(numQuantized({t}, {sk}, {r}, {g}) == {cs.num_quantized(t)});")
+                    checks.append(f"static_assert(windowRow({t}, {sk}, {r}, {g}) == {cs.window_row(t)});")
+                    checks.append(f"static_assert(windowRows({sk}, {r}, {g}) == {cs.window_rows});")
         for d in fmt.SUPPORTED_HEAD_DIMS:
             gv = KiviConfig(group_size=g, block_size=128).value_group_size(d)
             checks.append(f"static_assert(valueGroupSize({g}, {d}) == {gv});")
@@ -214,6 +277,7 @@ def test_header_compiles_and_agrees_with_python(tmp_path):
         checks.append(f"static_assert(codesPerWord({b}) == {fmt.codes_per_word(b)});")
     for i, n in enumerate(fmt.BUFFER_NAMES):
         checks.append(f"static_assert(kBUFFER_{n.upper()} == {i});")
+
     src = tmp_path / "check.cpp"
     src.write_text(f'#include "kiviFormat.h"\nusing namespace trtllm_kivi;\n' + "\n".join(checks) +
                    "\nint main() { return 0; }\n")

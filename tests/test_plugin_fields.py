@@ -94,27 +94,24 @@ def test_allowed_values_round_trip_through_plugin_py():
             config_from_fields(dict(base, **{name: bad}))
 
 
-def test_issue11_fields_round_trip_and_refusals():
-    # Rotation codes (per layer, K and V separately) are written and read back; sinks are kept in the fields but
-    # refused by a reader whose KiviConfig has no sinks (the C++ creator refuses them until the kernels keep them).
-    fields = plugin_fields(KiviConfig(), 9, 3, 64, k_rotation="hadamard", v_rotation="none")
-    assert list(fields) == list(FIELD_NAMES)
-    assert (fields["sink_tokens"], fields["k_rotation"], fields["v_rotation"]) == (0, 1, 0)
-    assert rotations_from_fields(fields) == ("hadamard", "none")
-    assert config_from_fields(fields)[0] == KiviConfig()  # the op itself is rotation-agnostic
-    assert plugin_fields(KiviConfig(), 9, 3, 64, sink_tokens=4)["sink_tokens"] == 4
-    for kwargs, match in ((dict(sink_tokens=129), r"sink_tokens=129 must be an integer in \[0, 128\]"),
-                          (dict(sink_tokens=-1), "sink_tokens=-1"), (dict(k_rotation="givens"), "k_rotation='givens'"),
-                          (dict(v_rotation=1), "v_rotation=1")):
-        with pytest.raises(ValueError, match=match):
-            plugin_fields(KiviConfig(), 9, 3, 64, **kwargs)
-    if "sink_tokens" not in {f.name for f in dataclasses.fields(KiviConfig)}:
-        with pytest.raises(ValueError, match="sink_tokens=4 is not supported by this KiviConfig"):
-            config_from_fields(dict(fields, sink_tokens=4))
-    with pytest.raises(ValueError, match="sink_tokens=200 must be in"):
-        config_from_fields(dict(fields, sink_tokens=200))
+def test_issue11_fields_per_layer_round_trip_and_refusals():
+    # FORMAT_VERSION 2: sink_tokens and each node's layer's rotation codes (0 = none, 1 = hadamard) come from the
+    # KiviConfig (rotation per layer, for K and V separately) and are read back into it.
+    assert FIELD_NAMES[-4:] == ("sink_tokens", "k_rotation", "v_rotation", "format_version")
+    assert ROTATIONS == fmt.SUPPORTED_ROTATIONS and MAX_SINK_TOKENS == fmt.MAX_SINK_TOKENS
+    cfg = KiviConfig(sink_tokens=4, k_rotation=("none", "hadamard"), v_rotation="hadamard")
+    f0, f1 = plugin_fields(cfg, 9, 3, 64, layer=0), plugin_fields(cfg, 9, 3, 64, layer=1)
+    assert list(f0) == list(FIELD_NAMES)
+    assert (f0["sink_tokens"], f0["k_rotation"], f0["v_rotation"]) == (4, 0, 1)
+    assert (f1["k_rotation"], f1["v_rotation"]) == (1, 1)
+    assert rotations_from_fields(f0) == ("none", "hadamard")
+    assert config_from_fields(f1)[0] == cfg.for_layer(1)  # a rotated cache's config is never read unrotated
+    with pytest.raises(ValueError, match=r"sink_tokens=129 must be an integer in \[0, 128\]"):
+        config_from_fields(dict(f0, sink_tokens=129))
+    with pytest.raises(ValueError, match=r"k_rotation=2 is not supported; allowed: 0..1 \(none, hadamard\)"):
+        config_from_fields(dict(f0, k_rotation=2))
     with pytest.raises(ValueError, match="v_rotation=2"):
-        rotations_from_fields(dict(fields, v_rotation=2))
+        rotations_from_fields(dict(f0, v_rotation=2))
 
 
 def test_status_bits_are_the_kernels_error_bits():

@@ -64,6 +64,45 @@ def test_ragged_steps_free_and_reuse_match_the_torch_runtime(pair):
         ref.free_sequence(x)
 
 
+# Format v2: 4 sinks (flushes at 4 + 32 + 32k), K rotated in layer 0 only, V in both layers.
+CFG_V2 = KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=32, block_size=64, sink_tokens=4,
+                    k_rotation=("hadamard", "none"), v_rotation="hadamard")
+
+
+def test_sinks_and_per_layer_rotation_match_the_torch_runtime():
+    """The graph rotates q/k/v and the output around the node (onnx_export); the torch runtime applies the same
+    rotation at run time from its cache's config. Same logits, bit-identical codes and sink rows."""
+    model, mc = tiny_model(seed=4)
+    m = export_llama(model, CFG_V2, SPEC)
+    nodes = [n for n in m.graph.node if n.op_type == "KiviAttention"]
+    codes = [{a.name: a.i for a in n.attribute if a.name in ("sink_tokens", "k_rotation", "v_rotation")}
+             for n in nodes]
+    assert codes == [{"sink_tokens": 4, "k_rotation": 1, "v_rotation": 1},
+                     {"sink_tokens": 4, "k_rotation": 0, "v_rotation": 1}]
+    from dataclasses import replace
+    with pytest.raises(ValueError, match=r"node attention_0: KiviAttention node attributes disagree with the build "
+                       r"config \(k_rotation: graph 1 vs build config 0"):  # a rotated cache is never read unrotated
+        OrtRunner(m, graph_info(model, replace(CFG_V2, k_rotation="none"), SPEC))
+    ort = OrtRunner(m, graph_info(model, CFG_V2, SPEC))
+    assert ort.info.kivi == CFG_V2
+    ref = TorchRunner(reference_model(model, SPEC.dtype), KiviCache(CFG_V2, mc.geometry, 3, 160, dtype=torch.float32,
+                                                                   num_blocks=ort.cache.num_blocks))
+    g = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
+    s = [ort.add_sequence() for _ in range(2)]
+    assert s == [ref.add_sequence() for _ in range(2)]
+    _both((ort, ref), s, [ids(3), ids(70)], all_logits=True)  # slot 0 still inside its sinks
+    for _ in range(3):
+        _both((ort, ref), s, [ids(2), ids(1)])
+    _both((ort, ref), s, [ids(66), ids(30)])  # flushes of groups [4, 36), [36, 68) in slot 0; more in slot 1
+    for layer in range(mc.geometry.num_layers):
+        for x in s:
+            a, b = ort.cache.sequence_state(x, layer), ref.cache.sequence_state(x, layer)
+            assert a["k_codes"].numel() > 0 and torch.equal(a["k_codes"], b["k_codes"])
+            assert torch.equal(a["v_codes"], b["v_codes"])
+            torch.testing.assert_close(a["k_window"][:, :4], b["k_window"][:, :4], atol=1e-5, rtol=0)
+
+
 def test_capacity_and_bad_steps_are_refused_without_changing_state(pair):
     ort, _ = pair
     s = ort.add_sequence()

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 import torch
 
 from .format import Geometry, KiviConfig
-from .reference.attention import KiviBuffers, _blocks_of, append, attend, check_step, history, kivi_attention_
+from .reference.attention import (KiviBuffers, _blocks_of, _rows, append, attend, check_step, full_precision_rows,
+                                  history, kivi_attention_)
 from .reference.kv import dequantize_keys, dequantize_values
 
 
@@ -150,6 +151,10 @@ class KVCache(ABC):
     def dequantized(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The full-precision view of a sequence's stored K/V [Hkv, T, D] (history as attention sees it)."""
 
+    def rotations(self, layer: int) -> tuple[str, str]:
+        """(k_rotation, v_rotation) of a layer (format.py): what the model applies around attention."""
+        return "none", "none"
+
 
 # ---------------------------------------------------------------------------------------------- attention backends
 
@@ -229,7 +234,6 @@ class MemoBackend(AttentionBackend):
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         buf, cfg = self.cache.layers[layer], self.cache.cfg
         check_step(q, k, v, step.slot_ids, step.past_len, step.chunk_len, step.block_table, buf, cfg)
-        w = cfg.window_capacity
         out = torch.empty_like(q)
         off = 0
         for b, (slot, s, c) in enumerate(zip(step.slots, step.past, step.chunk, strict=True)):
@@ -237,13 +241,16 @@ class MemoBackend(AttentionBackend):
                 continue
             rows = slice(off, off + c)
             kc, vc = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [Hkv, c, D]
-            n_q = cfg.num_quantized(s)
-            win = torch.arange(n_q, s) % w
-            parts_k, parts_v = [buf.k_window[slot][:, win], kc], [buf.v_window[slot][:, win], vc]
+            n_q, s0 = cfg.num_quantized(s), min(cfg.sink_tokens, s)
+            ring = _rows(cfg, s0 + n_q, s)  # token order: sinks, store, ring, chunk (format.py)
+            parts_k, parts_v = [buf.k_window[slot][:, ring], kc], [buf.v_window[slot][:, ring], vc]
             if n_q:
                 kq, vq = self._quantized_history(layer, slot, step.block_table[b], n_q)
                 parts_k.insert(0, kq)
                 parts_v.insert(0, vq)
+            if s0:
+                parts_k.insert(0, buf.k_window[slot][:, :s0])
+                parts_v.insert(0, buf.v_window[slot][:, :s0])
             out[rows] = attend(q[rows], torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1), s)
             append(buf, cfg, slot, step.block_table[b], s, kc, vc)
             off += c
@@ -267,6 +274,9 @@ class CudaBackend(AttentionBackend):
             return "the KIVI kernel library is not built (build_scripts/build_plugin.sh)"
         if cfg.key_grouping != "per_channel":
             return f"the CUDA kernels implement per_channel keys only; key_grouping={cfg.key_grouping!r}"
+        if cfg.sink_tokens:
+            return (f"the current CUDA kernels do not implement sinks; sink_tokens={cfg.sink_tokens} runs on the "
+                    f"reference or memo backend")
         return None
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
@@ -377,6 +387,7 @@ class KiviCache(KVCache):
                  num_blocks: int | None = None, backend: str | None = None) -> None:
         super().__init__(geom, max_slots, max_seq_len, dtype, device)
         cfg.check_head_dim(geom.head_dim)
+        cfg.check_num_layers(geom.num_layers)
         self.cfg = self.kivi_config = cfg
         self.backend: AttentionBackend = BACKENDS[resolve_backend(backend, cfg, self.device, dtype,
                                                                   geom.head_dim)](self)
@@ -447,14 +458,17 @@ class KiviCache(KVCache):
             per_row = {n: self.cfg.block_size // getattr(buf, n).shape[2] for n in state}
             for n in state:
                 state[n][-1, :, tail // per_row[n]:] = 0
-        w = self.cfg.window_capacity
-        rows = torch.arange(n_q, t) % w
+        rows = full_precision_rows(self.cfg, t)  # sinks, then the ring's live tokens, in token order
         state["k_window"] = buf.k_window[slot][:, rows].clone()
         state["v_window"] = buf.v_window[slot][:, rows].clone()
         return state
 
+    def rotations(self, layer: int) -> tuple[str, str]:
+        return self.cfg.k_rotation_of(layer), self.cfg.v_rotation_of(layer)
+
     def dequantized(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The full-precision view of a sequence's stored K/V [Hkv, T, D] (history as attention sees it)."""
+        """The full-precision view of a sequence's stored K/V [Hkv, T, D] (history as attention sees it; rotated
+        when the layer's rotation is on)."""
         return history(self.layers[layer], self.cfg, slot, self.block_tables[slot], self.seq_len(slot))
 
 

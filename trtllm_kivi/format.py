@@ -16,10 +16,26 @@ Layouts (per layer; Hkv = num_kv_heads, D = head_dim, BS = block_size, G = group
     v_codes   [num_blocks, Hkv, BS, D // (32 // v_bits)]  int32   per-token values, FRAGMENT order (below)
     v_scale   [num_blocks, Hkv, BS, D // Gv]              sz      per token over Gv = min(G, D) channels
     v_zero    same as v_scale
-    k_window  [num_slots, Hkv, W, D]                      act     full-precision window, W = R + G - 1; token t of a
-    v_window  [num_slots, Hkv, W, D]                      act     sequence lives at row t % W (a ring: no shifting)
-    block_table [batch, max_blocks_per_seq]               int32   quantized token t lives in block
-                                                                  block_table[b, t // BS], row t % BS
+    k_window  [num_slots, Hkv, S + W, D]                  act     full-precision rows: S sink rows, then a ring of
+    v_window  [num_slots, Hkv, S + W, D]                  act     W = R + G - 1 rows; token t < S lives at row t,
+                                                                  token t >= S at row S + (t - S) % W (no shifting)
+    block_table [batch, max_blocks_per_seq]               int32   the j-th quantized token (token S + j) lives in
+                                                                  block block_table[b, j // BS], row j % BS
+
+Sinks (FORMAT_VERSION 2): the first S = sink_tokens tokens of a sequence stay in full precision for its lifetime
+(window rows [0, S)); they never enter a quantization group. Groups start at token S:
+
+    n_q(T) = max(0, floor((T - S - R) / G)) * G      quantized tokens after T tokens: tokens [S, S + n_q(T))
+
+and the window holds tokens [S + n_q(T), T) in its ring (between R and R + G - 1 of them once T >= S + R). Flush
+points (where a group is quantized) are S + R + kG, k >= 1. S = 0 is exactly FORMAT_VERSION 1's layout.
+
+Rotation (FORMAT_VERSION 2): per layer, for K and V separately, `none` or `hadamard`. With `hadamard` the cache
+holds K (or V) multiplied along head_dim by H = the Sylvester Walsh-Hadamard matrix of size D scaled by 1/sqrt(D)
+(H_1 = [1], H_2n = [[H_n, H_n], [H_n, -H_n]]; orthonormal and symmetric). It is applied outside the op: post-RoPE q
+and k times H before the op (scores are unchanged: (qH).(kH) = q.k), v times H, the op's output times H^T before
+o_proj. The op and the kernels never see the rotation; the config field (plugin field, build config) records it so a
+rotated cache is never read unrotated.
 
 Words are int32 (TensorRT has no uint32). LINEAR order: code i of a word occupies bits [i * bits, (i + 1) * bits)
 (LSB-first). sz = scale/zero dtype (fp16 default), act = activation dtype (fp16 or bf16; fp32 in the CPU reference).
@@ -58,13 +74,15 @@ import numbers
 import sys
 from dataclasses import dataclass
 
-FORMAT_VERSION = 3  # 3: fragment-order codes (version 2 = issue 9's sink/rotation options)
+FORMAT_VERSION = 3  # 2: sink_tokens + per-layer K/V rotation (issue 11); 3: fragment-order codes (issue 12)
 
 SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 SUPPORTED_SCALE_DTYPES = ("float16", "bfloat16", "float32")
 SUPPORTED_KEY_GROUPINGS = ("per_channel", "per_token")
 SUPPORTED_HEAD_DIMS = (64, 128)  # what the kernels instantiate; the torch reference accepts any multiple of 32
+SUPPORTED_ROTATIONS = ("none", "hadamard")  # plugin field codes 0, 1
+MAX_SINK_TOKENS = 128
 
 WORD_BITS = 32
 WORD_DTYPE = "int32"
@@ -78,6 +96,8 @@ DEFAULT_RESIDUAL_LENGTH = 128
 DEFAULT_BLOCK_SIZE = 128
 DEFAULT_SCALE_DTYPE = "float16"
 DEFAULT_KEY_GROUPING = "per_channel"
+DEFAULT_SINK_TOKENS = 0  # the paper's KIVI; recipes add sinks explicitly (runtime/kvspec.py)
+DEFAULT_ROTATION = "none"  # never on by default: it helps some models and hurts others (DESIGN.md)
 
 # Fragment order (see the module docstring): tiles of 16 tokens, 32 lanes, nw = D * bits / 64 words per lane.
 MMA_TILE_TOKENS = 16
@@ -157,8 +177,32 @@ class KiviConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     scale_dtype: str = DEFAULT_SCALE_DTYPE
     key_grouping: str = DEFAULT_KEY_GROUPING
+    sink_tokens: int = DEFAULT_SINK_TOKENS
+    # "none" | "hadamard" for every layer, or a per-layer tuple of them (length = the model's num_layers)
+    k_rotation: str | tuple[str, ...] = DEFAULT_ROTATION
+    v_rotation: str | tuple[str, ...] = DEFAULT_ROTATION
 
     def __post_init__(self) -> None:
+        for name in ("k_rotation", "v_rotation"):
+            r = getattr(self, name)
+            if isinstance(r, list):  # from JSON
+                object.__setattr__(self, name, r := tuple(r))
+            if isinstance(r, tuple):
+                if not r:
+                    raise ValueError(f"{name}=() must name a rotation per layer or be one of "
+                                     f"{', '.join(SUPPORTED_ROTATIONS)}")
+                for i, x in enumerate(r):
+                    if x not in SUPPORTED_ROTATIONS:
+                        raise ValueError(f"{name}[{i}]={x!r} is not supported; allowed: "
+                                         f"{', '.join(SUPPORTED_ROTATIONS)}")
+                if len(set(r)) == 1:  # a uniform tuple is the plain value: one spelling per configuration
+                    object.__setattr__(self, name, r[0])
+            elif r not in SUPPORTED_ROTATIONS:
+                raise ValueError(f"{name}={r!r} is not supported; allowed: {', '.join(SUPPORTED_ROTATIONS)} "
+                                 f"or a per-layer tuple of them")
+        if (isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int)
+                or not 0 <= self.sink_tokens <= MAX_SINK_TOKENS):
+            raise ValueError(f"sink_tokens={self.sink_tokens!r} must be an integer in [0, {MAX_SINK_TOKENS}]")
         _check_choice("k_bits", self.k_bits, SUPPORTED_BITS)
         _check_choice("v_bits", self.v_bits, SUPPORTED_BITS)
         _check_choice("group_size", self.group_size, SUPPORTED_GROUP_SIZES)
@@ -173,18 +217,61 @@ class KiviConfig:
 
     @property
     def window_capacity(self) -> int:
-        """W = R + G - 1: the most tokens a sequence ever holds in full precision."""
+        """W = R + G - 1: rows of the window's ring (the most non-sink tokens held in full precision)."""
         return self.residual_length + self.group_size - 1
+
+    @property
+    def window_rows(self) -> int:
+        """S + W: rows of a slot's full-precision window buffer (S sink rows, then the ring)."""
+        return self.sink_tokens + self.window_capacity
+
+    def window_row(self, t: int) -> int:
+        """Window row of token t (a sink or a token in the ring)."""
+        s = self.sink_tokens
+        return t if t < s else s + (t - s) % self.window_capacity
+
+    def window_rows_of(self, t0: int, t1: int) -> list[int]:
+        """Window rows of tokens [t0, t1)."""
+        return [self.window_row(t) for t in range(t0, t1)]
+
+    def flush_point(self, k: int) -> int:
+        """The k-th flush point S + R + kG (k >= 1): the length at which the k-th group is quantized."""
+        return self.sink_tokens + self.residual_length + k * self.group_size
+
+    def k_rotation_of(self, layer: int) -> str:
+        return _rotation_of(self.k_rotation, layer, "k_rotation")
+
+    def v_rotation_of(self, layer: int) -> str:
+        return _rotation_of(self.v_rotation, layer, "v_rotation")
+
+    @property
+    def rotated(self) -> bool:
+        """Whether any layer rotates K or V."""
+        return any(x != "none" for r in (self.k_rotation, self.v_rotation) for x in
+                   ((r,) if isinstance(r, str) else r))
+
+    def for_layer(self, layer: int) -> KiviConfig:
+        """This config with the rotations of one layer (what that layer's op node / plugin records)."""
+        return dataclasses.replace(self, k_rotation=self.k_rotation_of(layer), v_rotation=self.v_rotation_of(layer))
+
+    def check_num_layers(self, num_layers: int) -> None:
+        """Per-layer rotation tuples must have one entry per layer of the model."""
+        for name in ("k_rotation", "v_rotation"):
+            r = getattr(self, name)
+            if isinstance(r, tuple) and len(r) != num_layers:
+                raise ValueError(f"{name} names {len(r)} layers but the model has num_layers={num_layers}")
 
     def value_group_size(self, head_dim: int) -> int:
         """Gv = min(G, head_dim): channels per value group."""
         return min(self.group_size, head_dim)
 
     def num_quantized(self, seq_len: int) -> int:
-        """n_q(T) = max(0, floor((T - R) / G)) * G: tokens in the quantized store after T tokens."""
-        if seq_len < self.residual_length:
+        """n_q(T) = max(0, floor((T - S - R) / G)) * G: tokens in the quantized store after T tokens (tokens
+        [S, S + n_q))."""
+        free = seq_len - self.sink_tokens - self.residual_length
+        if free < 0:
             return 0
-        return (seq_len - self.residual_length) // self.group_size * self.group_size
+        return free // self.group_size * self.group_size
 
     def max_blocks_per_seq(self, max_seq_len: int) -> int:
         """Block-table width for sequences of up to max_seq_len tokens (at least 1)."""
@@ -197,9 +284,16 @@ class KiviConfig:
         if head_dim % self.value_group_size(head_dim) != 0:  # e.g. D=96 with G=64: no whole value groups
             raise ValueError(f"head_dim={head_dim} must be a multiple of group_size={self.group_size} when larger "
                              f"than it (value groups are min(G, head_dim) channels)")
+        if self.rotated and head_dim & (head_dim - 1):
+            raise ValueError(f"head_dim={head_dim} has no Sylvester Hadamard matrix (a power of 2 is needed); use "
+                             f"k_rotation/v_rotation='none'")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        for name in ("k_rotation", "v_rotation"):
+            if isinstance(d[name], tuple):
+                d[name] = list(d[name])  # JSON
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "KiviConfig":
@@ -208,6 +302,14 @@ class KiviConfig:
         if unknown:
             raise ValueError(f"unknown KiviConfig fields {unknown}; allowed: {sorted(known)}")
         return cls(**d)
+
+
+def _rotation_of(r: str | tuple[str, ...], layer: int, name: str) -> str:
+    if isinstance(r, str):
+        return r
+    if not 0 <= layer < len(r):
+        raise ValueError(f"layer {layer} has no {name} entry (the config names {len(r)} layers)")
+    return r[layer]
 
 
 @dataclass(frozen=True)
@@ -244,7 +346,7 @@ def buffer_shapes(cfg: KiviConfig, num_kv_heads: int, head_dim: int, num_blocks:
     else:  # per-token keys (naive control) are stored like values
         k_codes = (num_blocks, num_kv_heads, bs, head_dim // kpw)
         k_scale = (num_blocks, num_kv_heads, bs, head_dim // gv)
-    w = cfg.window_capacity
+    w = cfg.window_rows
     return {
         "k_codes": k_codes,
         "k_scale": k_scale,
@@ -287,13 +389,14 @@ def pure_bits_bytes_per_token(cfg: KiviConfig, num_kv_heads: int, head_dim: int)
 
 
 def window_bytes(cfg: KiviConfig, num_kv_heads: int, head_dim: int, act_bytes: int = 2) -> int:
-    """Bytes of one sequence's full-precision window (K and V) in one layer."""
-    return 2 * cfg.window_capacity * num_kv_heads * head_dim * act_bytes
+    """Bytes of one sequence's full-precision rows (K and V) in one layer: S sink rows + the ring of R + G - 1."""
+    return 2 * cfg.window_rows * num_kv_heads * head_dim * act_bytes
 
 
 def kivi_total_bytes(cfg: KiviConfig, geom: Geometry, seq_len: int, batch: int = 1, act_bytes: int = 2) -> int:
     """Honest KV bytes for `batch` sequences of `seq_len` tokens: whole blocks of the quantized store for the
-    n_q(seq_len) quantized tokens, plus each sequence's window at full capacity, over all layers."""
+    n_q(seq_len) quantized tokens, plus each sequence's window (S sink rows + ring) at full capacity, over all
+    layers."""
     n_q = cfg.num_quantized(seq_len)
     blocks = math.ceil(n_q / cfg.block_size)
     per_block = quantized_bytes_per_token(cfg, geom.num_kv_heads, geom.head_dim) * cfg.block_size
@@ -336,6 +439,9 @@ def c_header() -> str:
         f"constexpr int32_t kDEFAULT_GROUP_SIZE = {DEFAULT_GROUP_SIZE};",
         f"constexpr int32_t kDEFAULT_RESIDUAL_LENGTH = {DEFAULT_RESIDUAL_LENGTH};",
         f"constexpr int32_t kDEFAULT_BLOCK_SIZE = {DEFAULT_BLOCK_SIZE};",
+        # kMAX_SINK_TOKENS and kROTATION_* live in kiviAttentionPlugin/kiviAttentionParams.h (checked against
+        # MAX_SINK_TOKENS / SUPPORTED_ROTATIONS by tests/test_plugin_fields.py)
+        f"constexpr int32_t kDEFAULT_SINK_TOKENS = {DEFAULT_SINK_TOKENS};",
         "",
         "// Scale/zero dtype codes (plugin field `scale_dtype`).",
     ]
@@ -353,15 +459,30 @@ def c_header() -> str:
         "constexpr int32_t codesPerWord(int32_t bits) { return kWORD_BITS / bits; }",
         "// Fragment order: words one lane owns in a 16-token tile (nw = D * bits / 64).",
         "constexpr int32_t fragmentWordsPerLane(int32_t headDim, int32_t bits) { return headDim * bits / 64; }",
-        "// W = R + G - 1; token t of a sequence lives at window row t % W.",
+        "// W = R + G - 1: rows of the window ring (token t >= S at row S + (t - S) % W).",
         "constexpr int32_t windowCapacity(int32_t residualLength, int32_t groupSize)",
         "{",
         "    return residualLength + groupSize - 1;",
         "}",
-        "// n_q(T) = max(0, floor((T - R) / G)) * G",
+        "// n_q(T) = max(0, floor((T - R) / G)) * G (no sinks)",
         "constexpr int32_t numQuantized(int32_t seqLen, int32_t residualLength, int32_t groupSize)",
         "{",
         "    return seqLen < residualLength ? 0 : (seqLen - residualLength) / groupSize * groupSize;",
+        "}",
+        "// n_q(T) = max(0, floor((T - S - R) / G)) * G: tokens [S, S + n_q) are quantized",
+        "constexpr int32_t numQuantized(int32_t seqLen, int32_t sinkTokens, int32_t residualLength, int32_t groupSize)",
+        "{",
+        "    return numQuantized(seqLen - sinkTokens, residualLength, groupSize);",
+        "}",
+        "// S + W rows per slot window: S sink rows, then the ring of W = R + G - 1",
+        "constexpr int32_t windowRows(int32_t sinkTokens, int32_t residualLength, int32_t groupSize)",
+        "{",
+        "    return sinkTokens + windowCapacity(residualLength, groupSize);",
+        "}",
+        "// Window row of token t: t for a sink (t < S), else S + (t - S) % W",
+        "constexpr int64_t windowRow(int64_t t, int32_t sinkTokens, int32_t residualLength, int32_t groupSize)",
+        "{",
+        "    return t < sinkTokens ? t : sinkTokens + (t - sinkTokens) % windowCapacity(residualLength, groupSize);",
         "}",
         "constexpr int32_t valueGroupSize(int32_t groupSize, int32_t headDim)",
         "{",

@@ -5,7 +5,8 @@ are given, all from format.py's formulas:
   - pure bits:   only the codes (k_bits + v_bits per element), the figure papers quote;
   - store:       codes + the scale/zero of every group, per quantized token (the asymptotic cost);
   - total:       what a cache really holds for `batch` sequences of `seq_len` tokens (format.kivi_total_bytes):
-                 the quantized store in whole blocks + each sequence's full-precision window (R + G - 1 tokens).
+                 the quantized store in whole blocks + each sequence's full-precision rows (S sink rows + the
+                 ring of R + G - 1 tokens). Rotation costs no bytes (it is applied outside the cache).
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def format_report(r: MemoryReport) -> str:
         f"{r.model}: {g.num_layers} layers, {g.num_heads} heads, {g.num_kv_heads} KV heads, head_dim {g.head_dim}",
         f"KV cache for {r.batch} x {r.seq_len:,} tokens; KIVI k_bits={c.k_bits} v_bits={c.v_bits} "
         f"group_size={c.group_size} residual_length={c.residual_length} block_size={c.block_size} "
-        f"scale_dtype={c.scale_dtype}",
+        f"scale_dtype={c.scale_dtype} sink_tokens={c.sink_tokens}",
         "",
         f"{'':42s}{'bytes/token':>14s}{'total':>14s}{'vs FP16':>10s}",
     ]
@@ -137,8 +138,9 @@ def format_report(r: MemoryReport) -> str:
     lines += [
         "",
         f"bytes/token: all {g.num_layers} layers, K and V. 'vs FP16' = FP16 bytes / these bytes.",
-        f"KIVI total: {n_q:,} of {r.seq_len:,} tokens per sequence quantized (n_q = floor((T - R) / G) * G), "
-        f"the rest in a full-precision fp16 window of capacity R + G - 1 = {c.window_capacity}; "
+        f"KIVI total: {n_q:,} of {r.seq_len:,} tokens per sequence quantized (n_q = floor((T - S - R) / G) * G), "
+        f"the rest in full-precision fp16 rows: S = {c.sink_tokens} sinks + a ring of R + G - 1 = "
+        f"{c.window_capacity}; "
         f"blocks of {c.block_size} tokens allocated whole.",
     ]
     return "\n".join(lines)

@@ -21,8 +21,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .format import (FORMAT_VERSION, SUPPORTED_KEY_GROUPINGS, SUPPORTED_SCALE_DTYPES, BUFFER_NAMES, Geometry,
-                     KiviConfig, canonical_dtype)
+from .format import (FORMAT_VERSION, MAX_SINK_TOKENS, SUPPORTED_KEY_GROUPINGS, SUPPORTED_ROTATIONS,
+                     SUPPORTED_SCALE_DTYPES, BUFFER_NAMES, Geometry, KiviConfig, canonical_dtype)
 
 PLUGIN_NAME = "KiviAttention"
 PLUGIN_VERSION = "1"
@@ -32,8 +32,7 @@ OPSET = 18  # the default-domain opset of exported graphs
 
 # Issue 11's format options as plugin fields. The op is rotation-agnostic (rotation is applied in the graph): the
 # codes only record the format of this layer's cache, so a rotated cache is never read unrotated.
-ROTATIONS = ("none", "hadamard")  # k_rotation / v_rotation codes 0, 1
-MAX_SINK_TOKENS = 128
+ROTATIONS = SUPPORTED_ROTATIONS  # k_rotation / v_rotation codes 0, 1 (format.py; MAX_SINK_TOKENS too)
 KERNEL_SINK_TOKENS = (0,)  # what the CUDA plugin runs today: it refuses sink_tokens > 0 at creation
 
 
@@ -67,23 +66,12 @@ FIELDS = (
 FIELD_NAMES = tuple(f.name for f in FIELDS)
 
 
-def _check_format_options(sink_tokens: int, k_rotation: str, v_rotation: str) -> None:
-    if not isinstance(sink_tokens, int) or isinstance(sink_tokens, bool) or not 0 <= sink_tokens <= MAX_SINK_TOKENS:
-        raise ValueError(f"sink_tokens={sink_tokens!r} must be an integer in [0, {MAX_SINK_TOKENS}]")
-    for name, value in (("k_rotation", k_rotation), ("v_rotation", v_rotation)):
-        if value not in ROTATIONS:
-            raise ValueError(f"{name}={value!r} is not supported; allowed: {', '.join(ROTATIONS)}")
-
-
-def plugin_fields(cfg: KiviConfig, num_heads: int, num_kv_heads: int, head_dim: int, *, sink_tokens: int = 0,
-                  k_rotation: str = "none", v_rotation: str = "none") -> dict[str, int]:
-    """KiviConfig + geometry -> plugin fields / ONNX node attributes (all int32), in FIELDS order.
-
-    sink_tokens, k_rotation, v_rotation: issue 11's options for this node's layer (rotation is per layer, for K and
-    V separately), given by the caller until KiviConfig carries them."""
+def plugin_fields(cfg: KiviConfig, num_heads: int, num_kv_heads: int, head_dim: int, layer: int = 0
+                  ) -> dict[str, int]:
+    """KiviConfig + geometry -> plugin fields / ONNX node attributes (all int32), in FIELDS order, for the node of
+    `layer`: its k_rotation / v_rotation codes (rotation is per layer, for K and V separately; format.py)."""
     Geometry(1, num_heads, num_kv_heads, head_dim)  # validates the geometry
     cfg.check_head_dim(head_dim)
-    _check_format_options(sink_tokens, k_rotation, v_rotation)
     return {
         "num_heads": num_heads,
         "num_kv_heads": num_kv_heads,
@@ -95,16 +83,16 @@ def plugin_fields(cfg: KiviConfig, num_heads: int, num_kv_heads: int, head_dim: 
         "block_size": cfg.block_size,
         "scale_dtype": SUPPORTED_SCALE_DTYPES.index(cfg.scale_dtype),
         "key_grouping": SUPPORTED_KEY_GROUPINGS.index(cfg.key_grouping),
-        "sink_tokens": sink_tokens,
-        "k_rotation": ROTATIONS.index(k_rotation),
-        "v_rotation": ROTATIONS.index(v_rotation),
+        "sink_tokens": cfg.sink_tokens,
+        "k_rotation": ROTATIONS.index(cfg.k_rotation_of(layer)),
+        "v_rotation": ROTATIONS.index(cfg.v_rotation_of(layer)),
         "format_version": FORMAT_VERSION,
     }
 
 
 def config_from_fields(fields: dict[str, int]) -> tuple[KiviConfig, int, int, int]:
-    """Inverse of plugin_fields -> (cfg, num_heads, num_kv_heads, head_dim); refuses missing/unknown fields and a
-    format version other than this package's."""
+    """Inverse of plugin_fields -> (cfg, num_heads, num_kv_heads, head_dim), cfg with that node's layer's rotations
+    as plain values; refuses missing/unknown fields and a format version other than this package's."""
     missing = [n for n in FIELD_NAMES if n not in fields]
     unknown = sorted(set(fields) - set(FIELD_NAMES))
     if missing or unknown:
@@ -115,18 +103,12 @@ def config_from_fields(fields: dict[str, int]) -> tuple[KiviConfig, int, int, in
         if not 0 <= fields[name] < len(allowed):
             raise ValueError(f"{name}={fields[name]} is not supported; allowed: 0..{len(allowed) - 1} "
                              f"({', '.join(allowed)})")
-    sinks = fields["sink_tokens"]
-    if not 0 <= sinks <= MAX_SINK_TOKENS:
-        raise ValueError(f"sink_tokens={sinks} must be in [0, {MAX_SINK_TOKENS}]")
-    extra = {}
-    if sinks:  # never dropped: a KiviConfig without sinks would read the sink tokens as quantized
-        if "sink_tokens" not in {f.name for f in dataclasses.fields(KiviConfig)}:
-            raise ValueError(f"sink_tokens={sinks} is not supported by this KiviConfig (no sink tokens); allowed: 0")
-        extra["sink_tokens"] = sinks
     cfg = KiviConfig(k_bits=fields["k_bits"], v_bits=fields["v_bits"], group_size=fields["group_size"],
                      residual_length=fields["residual_length"], block_size=fields["block_size"],
                      scale_dtype=SUPPORTED_SCALE_DTYPES[fields["scale_dtype"]],
-                     key_grouping=SUPPORTED_KEY_GROUPINGS[fields["key_grouping"]], **extra)
+                     key_grouping=SUPPORTED_KEY_GROUPINGS[fields["key_grouping"]],
+                     sink_tokens=fields["sink_tokens"], k_rotation=ROTATIONS[fields["k_rotation"]],
+                     v_rotation=ROTATIONS[fields["v_rotation"]])  # validates sink_tokens, naming it
     Geometry(1, fields["num_heads"], fields["num_kv_heads"], fields["head_dim"])
     cfg.check_head_dim(fields["head_dim"])
     return cfg, fields["num_heads"], fields["num_kv_heads"], fields["head_dim"]
@@ -226,10 +208,11 @@ class GraphInfo:
     def max_blocks_per_seq(self) -> int:
         return self.spec.max_blocks_per_seq(self.kivi)
 
-    def fields(self) -> dict[str, int]:
-        """The KiviAttention node attributes / plugin fields of every layer."""
+    def fields(self, layer: int = 0) -> dict[str, int]:
+        """The KiviAttention node attributes / plugin fields of a layer (they differ only in the rotation codes)."""
         g = self.geometry
-        return plugin_fields(self.kivi, g.num_heads, g.num_kv_heads, g.head_dim)
+        self.kivi.check_num_layers(g.num_layers)
+        return plugin_fields(self.kivi, g.num_heads, g.num_kv_heads, g.head_dim, layer)
 
     def to_dict(self) -> dict:
         return {"kivi_config": self.kivi.to_dict(), "geometry": dataclasses.asdict(self.geometry),
@@ -249,9 +232,9 @@ class GraphInfo:
                                  f"its KIVI config and maxima")
         return info
 
-    def check_node_fields(self, fields: dict[str, int], where: str) -> None:
+    def check_node_fields(self, fields: dict[str, int], where: str, layer: int = 0) -> None:
         """A graph's node attributes must be exactly what this info derives (one source of truth)."""
-        want = self.fields()
+        want = self.fields(layer)  # a cache written rotated is never read unrotated
         bad = {k: (fields.get(k), v) for k, v in want.items() if fields.get(k) != v}
         if bad:
             detail = ", ".join(f"{k}: graph {a!r} vs build config {b!r}" for k, (a, b) in bad.items())

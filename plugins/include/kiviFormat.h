@@ -19,6 +19,7 @@ constexpr int32_t kDEFAULT_V_BITS = 2;
 constexpr int32_t kDEFAULT_GROUP_SIZE = 32;
 constexpr int32_t kDEFAULT_RESIDUAL_LENGTH = 128;
 constexpr int32_t kDEFAULT_BLOCK_SIZE = 128;
+constexpr int32_t kDEFAULT_SINK_TOKENS = 0;
 
 // Scale/zero dtype codes (plugin field `scale_dtype`).
 constexpr int32_t kSCALE_DTYPE_FLOAT16 = 0;
@@ -41,15 +42,30 @@ constexpr int32_t kNUM_BUFFERS = 8;
 constexpr int32_t codesPerWord(int32_t bits) { return kWORD_BITS / bits; }
 // Fragment order: words one lane owns in a 16-token tile (nw = D * bits / 64).
 constexpr int32_t fragmentWordsPerLane(int32_t headDim, int32_t bits) { return headDim * bits / 64; }
-// W = R + G - 1; token t of a sequence lives at window row t % W.
+// W = R + G - 1: rows of the window ring (token t >= S at row S + (t - S) % W).
 constexpr int32_t windowCapacity(int32_t residualLength, int32_t groupSize)
 {
     return residualLength + groupSize - 1;
 }
-// n_q(T) = max(0, floor((T - R) / G)) * G
+// n_q(T) = max(0, floor((T - R) / G)) * G (no sinks)
 constexpr int32_t numQuantized(int32_t seqLen, int32_t residualLength, int32_t groupSize)
 {
     return seqLen < residualLength ? 0 : (seqLen - residualLength) / groupSize * groupSize;
+}
+// n_q(T) = max(0, floor((T - S - R) / G)) * G: tokens [S, S + n_q) are quantized
+constexpr int32_t numQuantized(int32_t seqLen, int32_t sinkTokens, int32_t residualLength, int32_t groupSize)
+{
+    return numQuantized(seqLen - sinkTokens, residualLength, groupSize);
+}
+// S + W rows per slot window: S sink rows, then the ring of W = R + G - 1
+constexpr int32_t windowRows(int32_t sinkTokens, int32_t residualLength, int32_t groupSize)
+{
+    return sinkTokens + windowCapacity(residualLength, groupSize);
+}
+// Window row of token t: t for a sink (t < S), else S + (t - S) % W
+constexpr int64_t windowRow(int64_t t, int32_t sinkTokens, int32_t residualLength, int32_t groupSize)
+{
+    return t < sinkTokens ? t : sinkTokens + (t - sinkTokens) % windowCapacity(residualLength, groupSize);
 }
 constexpr int32_t valueGroupSize(int32_t groupSize, int32_t headDim)
 {

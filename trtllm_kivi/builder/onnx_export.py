@@ -17,6 +17,11 @@ One graph run is one step of a ragged batch (DESIGN.md): the tokens of B sequenc
 Every floating op runs in the activation dtype except RMSNorm's statistics (fp32, like the torch model), the RoPE
 tables (fp32, cast once per step) and the logits (cast to fp32). The node's attributes are op.plugin_fields +
 plugin_version / plugin_namespace, which TensorRT's ONNX parser uses to pick the registered plugin.
+
+Format v2 rotation (format.py) lives in the graph, around the node: in a layer whose k_rotation is hadamard, post-RoPE
+q and k are multiplied by the initializer `hadamard` [D, D]; with v_rotation hadamard, v is, and the node's output
+is multiplied by H^T (= H) before o_proj. The node records its layer's rotation codes, so an engine and its cache
+agree by construction.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from onnx import TensorProto, helper
 from ..format import BUFFER_NAMES, KiviConfig, buffer_dtypes, buffer_shapes
 from ..op import (DOMAIN, FIELD_NAMES, GRAPH_DTYPES, LOGITS, OPSET, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION,
                   STATUS_OUTPUT, STEP_INPUTS, ExportSpec, GraphInfo, cache_io_names, plugin_fields, status_name)
+from ..reference.rotation import hadamard
 
 SUPPORTED_DTYPES = GRAPH_DTYPES
 ONNX_DTYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16, "float32": TensorProto.FLOAT,
@@ -114,6 +120,11 @@ class _Graph:
         rot = self.op1("Concat", self.op1("Neg", x2), x1, axis=-1)
         return self.op1("Add", self.op1("Mul", x, cos), self.op1("Mul", rot, sin))
 
+    def rotate(self, x: str) -> str:
+        """x [..., D] @ H in fp32, cast back (as reference.rotation.rotate): 1/sqrt(D) is not exact in 16 bits."""
+        xf = self.op1("Cast", x, to=TensorProto.FLOAT)
+        return self.op1("Cast", self.op1("MatMul", xf, "hadamard"), to=self.act)
+
     def linear(self, x: str, w: str, b: str | None = None) -> str:
         """x [T, in] @ w[out, in]^T (+ b [out]): Gemm(transB) keeps torch's weight layout."""
         return self.op1("Gemm", x, w, *([b] if b else []), transB=1)
@@ -134,7 +145,7 @@ def export_llama(model, cfg: KiviConfig, spec: ExportSpec) -> onnx.ModelProto:
     register_schema()
     mc = model.cfg
     h, hkv, d = mc.n_heads, mc.n_kv_heads, mc.head_dim
-    fields = plugin_fields(cfg, h, hkv, d)  # the one mapping KiviConfig + geometry -> node attributes
+    cfg.check_num_layers(mc.n_layers)
     nb, mb = spec.num_blocks(cfg), spec.max_blocks_per_seq(cfg)
     shapes = buffer_shapes(cfg, hkv, d, nb, spec.max_batch_size)
     dtypes = buffer_dtypes(cfg, spec.dtype)
@@ -165,6 +176,8 @@ def export_llama(model, cfg: KiviConfig, spec: ExportSpec) -> onnx.ModelProto:
     cos, sin = (g.op1("Unsqueeze", g.op1("Cast", g.op1("Gather", t, "positions", axis=0), to=g.act), "axis1")
                 for t in ("rope_cos", "rope_sin"))  # [T, 1, D]
 
+    if cfg.rotated:  # format v2: H [D, D] fp32 (Sylvester, 1/sqrt(D); symmetric, so it is also H^T)
+        g.inits.append(_tensor("hadamard", hadamard(d), "float32"))
     embed = g.weight("embed.weight", _w(model.embed))
     x = g.op1("Gather", embed, "input_ids", axis=0)  # [T, dim]
     for i, blk in enumerate(model.layers):
@@ -181,6 +194,12 @@ def export_llama(model, cfg: KiviConfig, spec: ExportSpec) -> onnx.ModelProto:
         q, k, v = g.op("Split", [qkv, "qkv_split"], 3, axis=-1)
         q, k = g.rope(q, h, d, cos, sin), g.rope(k, hkv, d, cos, sin)
         v = g.op1("Reshape", v, f"shape_h{hkv}")
+        k_rot, v_rot = cfg.k_rotation_of(i), cfg.v_rotation_of(i)
+        if k_rot == "hadamard":  # post-RoPE q and k times H: the scores are unchanged, the cache holds kH
+            q, k = g.rotate(q), g.rotate(k)
+        if v_rot == "hadamard":  # the cache holds vH; the op's output is rotated back below
+            v = g.rotate(v)
+        fields = plugin_fields(cfg, h, hkv, d, layer=i)  # the one mapping config + geometry -> node attributes
         attn_name = f"attention_{i}"
         attn_out = f"{attn_name}.out"
         outputs.append(helper.make_tensor_value_info(status_name(i), i32, [1]))
@@ -189,7 +208,8 @@ def export_llama(model, cfg: KiviConfig, spec: ExportSpec) -> onnx.ModelProto:
              plugin_version=PLUGIN_VERSION, plugin_namespace=PLUGIN_NAMESPACE, **fields)
         # The custom node's output shape, declared so shape inference continues past it.
         g.value_info.append(helper.make_tensor_value_info(attn_out, g.act, ["num_tokens", h, d]))
-        o = g.op1("Reshape", attn_out, "shape_attn_out")
+        o = g.rotate(attn_out) if v_rot == "hadamard" else attn_out  # out H^T (= out H)
+        o = g.op1("Reshape", o, "shape_attn_out")
         x = g.op1("Add", x, g.linear(o, g.weight(p + "attn.wo.weight", _w(blk.attn.wo))))
 
         hn = g.rms_norm(x, g.weight(p + "mlp_norm.weight", blk.mlp_norm.weight), mc.norm_eps)

@@ -53,6 +53,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--passkey-seed", type=int, default=0)
     k.add_argument("--passkey-max-config-lengths", type=int, default=0, help="run the non-reference configurations "
                    "at only this many (the longest) of the lengths the reference passes (default 0: all)")
+    r = p.add_argument_group("recipe table (--recipes) and recipe search (--recommend)")
+    r.add_argument("--recipes", action="store_true", help="the recipe table: per-segment results cached in "
+                   "<out-dir>/<name>.cache.jsonl (a rerun resumes), paired bootstrap 95%% CIs of dPPL and KL over "
+                   "segments, bits/element at 2K/8K/32K, passkey at the lengths the reference passes")
+    r.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples (default 2000)")
+    r.add_argument("--cached-only", action="store_true", help="with --recipes: build the table from the cache "
+                   "only (passkey cells not cached are left out)")
+    r.add_argument("--recommend", action="store_true", help="recipe search on --model and --text: per-layer K/V "
+                   "rotation from a per-layer attention-error criterion, confirmed by the decode-mode eval; prints "
+                   "the cheapest recipe within the budget and writes it to --write-config")
+    r.add_argument("--max-ppl-increase", default="2%", help="budget: max perplexity increase vs the reference, "
+                   "in %% (default 2%%)")
+    r.add_argument("--max-kl", type=float, help="budget: max mean KL(reference || recipe) (default: none)")
+    r.add_argument("--levels", default="kivi2,k4v2,kivi4", help="bit levels tried in order of cost (default "
+                   "kivi2,k4v2,kivi4)")
+    r.add_argument("--sinks", type=int, default=4, help="sink tokens of the candidates (default 4)")
+    r.add_argument("--margin", type=float, default=0.1, help="a layer rotates K (or V) only when that lowers its "
+                   "attention-output error by more than this fraction (default 0.1)")
+    r.add_argument("--write-config", metavar="FILE", help="KV config file to write (default <out-dir>/"
+                   "kv_config.json, or ./kv_config.json)")
     p.add_argument("--no-memo", action="store_true", help="alias of --attention-backend reference (the plain, "
                    "slower reference; the memo backend gives the same results bit for bit)")
     flags.add_threads(p)
@@ -76,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     if bad or not tasks:
         raise ValueError(f"--tasks {args.tasks!r}: unknown {bad}; allowed: {', '.join(TASKS)}")
     names = flags.kv_names(args)
+    if getattr(args, "kv_config", None) and args.reference not in names:  # evaluate the file's recipe vs the reference
+        names = [args.reference, *names]
     specs = {n: flags.kv_from_args(args, n) for n in names}  # validates every name before any work
     backend = "reference" if args.no_memo else args.attention_backend
     if args.reference not in specs:
@@ -83,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
     flags.set_threads(args.threads)
     setup = QualitySetup(args.segments, args.segment_len, args.prefix, 32, args.offset, args.batch)
     lengths, depths = _ints(args.passkey_lengths), _floats(args.passkey_depths)
+    if args.recommend:
+        return _run_recommend(args, setup)
+    if args.recipes:
+        return _run_recipes(args, specs, setup, tasks, lengths, depths)
 
     t0 = time.time()
     model, tok, cfg = load_model(args.model, args.dtype)
@@ -149,3 +175,122 @@ def _write(args, result: dict, specs) -> None:
         result["error_growth_plot"] = png.name
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / f"{args.name}.md").write_text(md)
+
+
+def _load(args: argparse.Namespace):
+    """(model, tokenizer, model config, token ids, text provenance) of --model and --text / the built-in corpus."""
+    from ..eval import corpus
+    from ..models import load_model
+
+    model, tok, cfg = load_model(args.model, args.dtype)
+    if args.text:
+        text, text_info = Path(args.text).read_text(encoding="utf-8"), {"file": str(args.text)}
+    else:
+        text, text_info = corpus.load_corpus(), corpus.describe()
+    return model, tok, cfg, tok.encode(text, add_special_tokens=False), text_info
+
+
+def _fingerprint(args: argparse.Namespace, specs: dict, setup, text_info: dict) -> dict:
+    """What a cached per-segment result depends on (the shared chunk plan depends on the flush points)."""
+    from ..models import resolve_model
+
+    flush = sorted({(s.kivi.sink_tokens + s.kivi.residual_length, s.kivi.group_size)
+                    for s in specs.values() if s.kivi})
+    return {"model": str(resolve_model(args.model)), "dtype": args.dtype, "text": text_info,
+            "segment_len": setup.segment_len, "prefix": setup.prefix, "offset": setup.offset,
+            "flush": [list(f) for f in flush], "passkey_seed": args.passkey_seed, "memo": not args.no_memo}
+
+
+def _run_recommend(args: argparse.Namespace, setup) -> int:
+    """--recommend: eval/recommend.py on --model and the text; writes the KV config file."""
+    from ..eval.recipes import ResultCache
+    from ..eval.recommend import Budget, recommend
+    from ..runtime.kvspec import parse_kv, write_kv_config
+
+    pct = float(str(args.max_ppl_increase).rstrip("%"))
+    budget = Budget(pct, args.max_kl)
+    levels = [x.strip() for x in args.levels.split(",") if x.strip()]
+    for lv in levels:
+        if parse_kv(lv).kivi is None or "+" in lv:
+            raise ValueError(f"--levels {lv!r}: a level is a plain KIVI name (kivi2, k4v2, kivi4, ...)")
+    out = Path(args.out_dir) if args.out_dir else Path(".")
+    out.mkdir(parents=True, exist_ok=True)
+    model, tok, cfg, ids, text_info = _load(args)
+    probe = {"fp16": parse_kv("fp16")} | {n: parse_kv(n, residual_length=args.residual_length,
+                                                       group_size=args.group_size) for lv in levels
+                                         for n in (lv, f"{lv}+sink{args.sinks}" if args.sinks else lv)}
+    cache = ResultCache(out / f"{args.name}.cache.jsonl", _fingerprint(args, probe, setup, text_info))
+    log = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True)  # noqa: E731
+    knobs = {k: getattr(args, k) for k in ("group_size", "residual_length", "block_size", "scale_dtype")
+             if getattr(args, k, None) is not None}
+    res = recommend(model, ids, setup, cache, budget, levels, args.sinks, args.margin, resamples=args.bootstrap,
+                    knobs=knobs, log=log)
+    def ci(e: dict) -> str:
+        c = e["ppl_delta_ci95"]
+        return f"[{c[0]:+.2f}, {c[1]:+.2f}]" if c else "(1 segment: no CI)"
+
+    for name, e in res["table"].items():
+        print(f"  {name:48s} bits/elem@8K {e['bits_per_element']['8192']:.2f}  dPPL {e['ppl_delta_pct']:+.2f}% "
+              f"{ci(e)}  KL {e['kl_mean']:.4f}  {res['rejected'].get(name, 'ok')}")
+    if res["chosen"] is None:
+        print(f"no recipe of {levels} is within the budget (dPPL <= {pct}%"
+              f"{'' if args.max_kl is None else f', KL <= {args.max_kl}'}); nothing written")
+        return 1
+    e = res["table"][res["chosen"]]
+    path = Path(args.write_config) if args.write_config else out / "kv_config.json"
+    crit = {lv: vars(c) for lv, c in res["criterion"].items()}
+    write_kv_config(path, res["spec"], {"model": str(args.model), "measured": {
+        k: e[k] for k in ("ppl", "ppl_delta_pct", "ppl_delta_ci95", "kl_mean", "kl_ci95", "top1", "bits_per_element")}
+        | {"segments": setup.segments, "segment_len": setup.segment_len, "text": text_info},
+        "budget": {"max_ppl_increase_pct": pct, "max_kl": args.max_kl}, "criterion": crit})
+    print(f"recommended: {res['chosen']} ({e['bits_per_element']['8192']:.2f} bits/element at 8K; dPPL "
+          f"{e['ppl_delta_pct']:+.2f}% {ci(e)}, KL "
+          f"{e['kl_mean']:.4f}); wrote {path} (use it with --kv-config {path})")
+    return 0
+
+
+def _run_recipes(args: argparse.Namespace, specs: dict, setup, tasks: list[str], lengths: list[int],
+                 depths: list[float]) -> int:
+    """--recipes: the resumable recipe table (eval/recipes.py)."""
+    from ..eval.recipes import ResultCache, passkey_cells, recipe_markdown, recipe_table, score_segments
+    from ..eval.suite import passkey_prompts
+    from ..models import resolve_model
+
+    if not args.out_dir:
+        raise ValueError("--recipes needs --out-dir (its per-segment cache lives there)")
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    model, tok, cfg, ids, text_info = _load(args)
+    cache = ResultCache(out / f"{args.name}.cache.jsonl", _fingerprint(args, specs, setup, text_info))
+    log = lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True)  # noqa: E731
+    log(f"{len(cache.rows)} cached results; configurations: {', '.join(specs)}")
+    segs = score_segments(model, specs, ids, setup, cache, args.reference, not args.no_memo, log,
+                          not args.cached_only) if "ppl" in tasks else None
+    pk = None
+    if "passkey" in tasks:
+        encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+        prompts = passkey_prompts(encode, lengths, depths, args.passkey_seed)
+        pk = passkey_cells(model, specs, prompts, cache, args.reference, args.passkey_max_config_lengths,
+                           not args.no_memo, log, not args.cached_only)
+    if segs is None:
+        print(json.dumps(pk, indent=1))
+        return 0
+    table = recipe_table(specs, segs, cfg.geometry, args.reference, setup, pk, args.bootstrap)
+    table |= {"model": {"name": cfg.name, "source": str(resolve_model(args.model)), "dtype": args.dtype,
+                        "max_seq_len": cfg.max_seq_len, "n_layers": cfg.n_layers},
+              "corpus": text_info | {"tokens": len(ids)}, "kv": {n: s.describe() for n, s in specs.items()},
+              "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
+                          "torch": torch.__version__, "threads": torch.get_num_threads()},
+              "seconds_this_run": round(time.time() - t0, 1)}
+    title = (f"{cfg.name} ({Path(str(resolve_model(args.model))).name}; GGUF Q4_1 weights dequantized to "
+             f"{args.dtype}, 8K context), {setup.segments} segments x {setup.segment_len} tokens of "
+             f"{text_info.get('text', text_info.get('file'))} from corpus token {setup.offset}, first "
+             f"{setup.prefix} prefilled, decode-mode scoring; CIs: paired bootstrap over segments "
+             f"({args.bootstrap} resamples); bits/element include scales/zeros, sinks and the fp16 window "
+             f"(format.kivi_total_bytes); passkey at lengths {table['passkey']['eval_lengths'] if pk else '—'}.")
+    md = recipe_markdown(table, title)
+    (out / f"{args.name}.json").write_text(json.dumps(table, indent=1) + "\n")
+    (out / f"{args.name}.md").write_text(md)
+    print(md)
+    return 0

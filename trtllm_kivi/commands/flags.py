@@ -15,7 +15,7 @@ import torch
 from ..cache import BACKEND_CHOICES
 from ..format import DTYPE_NAMES, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, SUPPORTED_SCALE_DTYPES, KiviConfig
 from ..models import DEFAULT_MODEL
-from ..runtime.kvspec import KV_HELP, KV_OPTIONS, KVSpec, parse_kv
+from ..runtime.kvspec import KV_HELP, KV_OPTIONS, KVSpec, parse_kv, read_kv_config
 
 DEFAULT_KV = "kivi2"
 
@@ -37,6 +37,8 @@ def add_kv(p: argparse.ArgumentParser, default: str = DEFAULT_KV, many: bool = F
     what = "comma-separated list of " if many else ""
     g.add_argument("--kv", default=None, help=f"{what}{KV_HELP} (default: {default})")
     g.set_defaults(_kv_default=default)
+    g.add_argument("--kv-config", metavar="FILE", help="KV config file (JSON) written by `trtllm-kivi eval "
+                   "--recommend`: its recipe replaces --kv (a --kv or KIVI knob that disagrees is refused)")
     # no argparse `choices`: KiviConfig validates, with the one error message naming the value and the range
     bits = ", ".join(map(str, SUPPORTED_BITS))
     g.add_argument("--k-bits", type=int, help=f"override the key bits of a KIVI spec ({bits})")
@@ -49,8 +51,28 @@ def add_kv(p: argparse.ArgumentParser, default: str = DEFAULT_KV, many: bool = F
                    f"default float16)")
 
 
+def kv_config(args: argparse.Namespace) -> KVSpec | None:
+    """The --kv-config file's spec (None without one); a --kv or KIVI knob that disagrees with it is refused,
+    naming both values."""
+    path = getattr(args, "kv_config", None)
+    if not path:
+        return None
+    spec = read_kv_config(path)
+    assert spec.kivi is not None
+    if args.kv is not None and args.kv.strip().lower() != spec.name:
+        raise ValueError(f"--kv {args.kv} conflicts with --kv-config {path} (kv {spec.name}); give one of them")
+    for name, value in kv_options(args).items():
+        if getattr(spec.kivi, name) != value:
+            raise ValueError(f"--{name.replace('_', '-')} {value} conflicts with --kv-config {path} "
+                             f"({name}={getattr(spec.kivi, name)}); give one of them")
+    return spec
+
+
 def kv_names(args: argparse.Namespace) -> list[str]:
-    """The --kv value(s) as a list (the command's default when not given)."""
+    """The --kv value(s) as a list (the command's default when not given; the --kv-config recipe with one)."""
+    from_file = kv_config(args)
+    if from_file is not None:
+        return [from_file.name]
     text = args.kv if args.kv is not None else args._kv_default
     names = [s.strip() for s in text.split(",") if s.strip()]
     if not names:
@@ -64,7 +86,11 @@ def kv_options(args: argparse.Namespace) -> dict:
 
 
 def kv_from_args(args: argparse.Namespace, name: str | None = None) -> KVSpec:
-    """The KVSpec of the parsed add_kv() options (name overrides args.kv, e.g. one of a list)."""
+    """The KVSpec of the parsed add_kv() options (name overrides args.kv, e.g. one of a list); a --kv-config
+    file's recipe comes back with its exact config."""
+    from_file = kv_config(args)
+    if from_file is not None and (name is None or name.strip().lower() == from_file.name):
+        return from_file
     return parse_kv(name if name is not None else kv_names(args)[0], **kv_options(args))
 
 

@@ -48,7 +48,7 @@ class KiviStepParams(ctypes.Structure):
 
     _fields_ = ([(n, ctypes.c_int32) for n in _INT_FIELDS] + [(n, ctypes.c_void_p) for n in _PTR_FIELDS]
                 + [("workspaceSize", ctypes.c_size_t), ("attentionImpl", ctypes.c_int32),
-                   ("ctasPerSm", ctypes.c_int32)])
+                   ("ctasPerSm", ctypes.c_int32), ("sinkTokens", ctypes.c_int32)])
 
 
 class KiviLibrary:

@@ -7,6 +7,9 @@ It runs the same work split as the GPU code, CTA by CTA, in numpy/torch on the C
     magic-number conversion, folded scales, warps and splits, the combine);
   - append: kiviFlushKernel + kiviWindowKernel (which G-groups are flushed, from where, into which block/row/word,
     with the kernel's fp32 arithmetic: IEEE division, rint half-to-even).
+Format v2 sinks (format.py) are modelled here ahead of the kernels (whose host validation refuses sink_tokens > 0
+for now): sink rows are a full-precision key source, store index j is token S + j, a tile that straddles sinks
+and the store is loaded key by key with the same arithmetic. Rotation never reaches the op.
 Tested against trtllm_kivi.reference (tests/test_kernels_model.py), so a GPU run only has to confirm the
 CUDA-specific parts (indexing in registers/shared memory, synchronization).
 """
@@ -59,7 +62,7 @@ def launch_plan(cfg: KiviConfig, num_heads: int, num_kv_heads: int, head_dim: in
     """Tiles of TILE_ROWS query rows (row rho of a sequence's chunk = token rho // grp, head rho % grp of the KV
     head), x KV heads, x splits of the keys; splits fill one wave of num_sms x ctas_per_sm resident CTAs."""
     w = cfg.window_capacity
-    capacity = max_blocks_per_seq * cfg.block_size + w
+    capacity = max_blocks_per_seq * cfg.block_size + cfg.sink_tokens + w  # store + sink rows + ring
     msl = max_seq_len if max_seq_len > 0 else capacity
     mcl = max_chunk_len if max_chunk_len > 0 else num_tokens
     grp = num_heads // num_kv_heads
@@ -189,7 +192,7 @@ def append(k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tensor, past_len: t
     infos, flag = prepare(plan, cfg, slots, pasts, chunks, block_table, tokens, num_blocks,
                           buffers.k_window.shape[0])
     sdt = torch_dtype(cfg.scale_dtype)
-    g, bs, w = cfg.group_size, cfg.block_size, plan.window_capacity
+    g, bs, w, s0 = cfg.group_size, cfg.block_size, plan.window_capacity, cfg.sink_tokens
     gv = cfg.value_group_size(d)
     kpw = codes_per_word(cfg.k_bits)
     kf, vf = k.float().numpy(), v.float().numpy()
@@ -203,13 +206,14 @@ def append(k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tensor, past_len: t
 
         def rows_of(t0: int, src_k: np.ndarray, src_w: np.ndarray) -> np.ndarray:  # loadHistoryOrChunk
             ts = np.arange(t0, t0 + g)
-            return np.stack([src_w[slot, :, t % w] if t < s else src_k[info.token_offset + t - s] for t in ts],
-                            axis=1)  # [Hkv, G, D]
+            return np.stack([src_w[slot, :, cfg.window_row(t)] if t < s else src_k[info.token_offset + t - s]
+                             for t in ts], axis=1)  # [Hkv, G, D]
 
         for y in range(gy):
             for grp_i in range(y, (q1 - q0) // g, gy):
-                t0 = q0 + grp_i * g
-                blk, r = int(block_table[b, t0 // bs]), t0 % bs
+                j0 = q0 + grp_i * g  # store index of the group; its tokens are [S + j0, S + j0 + G)
+                t0 = s0 + j0
+                blk, r = int(block_table[b, j0 // bs]), j0 % bs
                 xk = rows_of(t0, kf, kwin)  # [Hkv, G, D]
                 codes, scale, zero = _quantize_group_np(xk.transpose(0, 2, 1), cfg.k_bits, sdt)  # over G tokens
                 words = pack_fragments(torch.from_numpy(codes.transpose(0, 2, 1).astype(np.int64)), cfg.k_bits,
@@ -228,9 +232,10 @@ def append(k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tensor, past_len: t
         if not info.valid:
             continue
         s, e, slot = pasts[b], pasts[b] + chunks[b], slots[b]
-        for t in range(max(s, e - w), e):
-            buffers.k_window[slot, :, t % w] = k[info.token_offset + t - s]
-            buffers.v_window[slot, :, t % w] = v[info.token_offset + t - s]
+        live = list(range(s, min(s0, e))) + list(range(max(s, s0, e - w), e))  # sinks, then the ring's last W
+        for t in live:
+            buffers.k_window[slot, :, cfg.window_row(t)] = k[info.token_offset + t - s]
+            buffers.v_window[slot, :, cfg.window_row(t)] = v[info.token_offset + t - s]
     return flag
 
 

@@ -1,7 +1,7 @@
 """Decode-mode scoring: prefill a prefix, then feed the rest through the cache and keep every position's logits.
 
 Per DESIGN.md's streaming contract a chunk [s, e) reproduces token-by-token decoding exactly when no flush point
-R + kG (k >= 1) lies strictly inside (s, e). `chunk_plan` cuts a range at every flush point of every KIVI
+S + R + kG (k >= 1) lies strictly inside (s, e). `chunk_plan` cuts a range at every flush point of every KIVI
 configuration being compared (and at `max_chunk`), so all configurations see the same chunk shapes and every
 chunk is exact for each of them: scoring in chunks costs one forward per chunk instead of one per token.
 """
@@ -18,8 +18,8 @@ from ..runtime.base import Runner
 
 
 def flush_points(cfg: KiviConfig, start: int, end: int) -> list[int]:
-    """Flush points R + kG (k >= 1) strictly inside (start, end)."""
-    r, g = cfg.residual_length, cfg.group_size
+    """Flush points S + R + kG (k >= 1; S = sink_tokens) strictly inside (start, end)."""
+    r, g = cfg.sink_tokens + cfg.residual_length, cfg.group_size
     k0 = max(1, (start - r) // g + 1)  # first k with R + kG > start
     return [p for p in range(r + k0 * g, end, g) if start < p < end]
 

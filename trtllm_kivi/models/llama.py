@@ -5,6 +5,8 @@ q/k/v projection biases (the Qwen2 family: a Llama with `qkv_bias`).
 A forward pass runs one step of a ragged batch: the tokens of all sequences are concatenated ([T] ids, T = sum of
 the chunk lengths), every op except attention is per token, and attention is the cache's
 `cache.attention(layer, q, k, v, step)` (attend to the stored state + the chunk, then append). No padding exists.
+A cache whose format rotates a layer (format.py: k_rotation / v_rotation) gets that layer's q/k/v times H and its
+output is multiplied by H^T here, at run time, so one loaded model serves every configuration of an evaluation.
 Weights use Hugging Face names at the boundary (`from_hf_state_dict`); q/k/v and gate/up are fused inside.
 """
 
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..format import Geometry
+from ..reference.rotation import rotate, unrotate
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -126,7 +129,13 @@ class Attention(nn.Module):
                                                          dim=-1)
         q = apply_rope(q.view(t, self.h, self.d), cos, sin)  # [T, H, D]
         k = apply_rope(k.view(t, self.hkv, self.d), cos, sin)  # [T, Hkv, D]
-        out = cache.attention(layer, q, k, v.view(t, self.hkv, self.d), step)  # [T, H, D], fp32 softmax inside
+        v = v.view(t, self.hkv, self.d)
+        # The cache's format says whether this layer's K / V are stored Hadamard-rotated (format.py); the op never
+        # sees it: q and k rotate together (scores unchanged), v rotates and the output rotates back.
+        k_rot, v_rot = cache.rotations(layer) if hasattr(cache, "rotations") else ("none", "none")
+        q, k, v = rotate(q, k_rot), rotate(k, k_rot), rotate(v, v_rot)
+        out = cache.attention(layer, q, k, v, step)  # [T, H, D], fp32 softmax inside
+        out = unrotate(out, v_rot)
         return F.linear(out.reshape(t, self.h * self.d), self.wo)
 
 

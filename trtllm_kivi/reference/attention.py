@@ -6,9 +6,9 @@ chunk covers positions [s, e) with s = past_len[b], e = s + chunk_len[b]; its to
   1. attend: the query at position t in [s, e) attends (fp32 softmax, scale 1/sqrt(D), causal) to the stored state
      after s tokens (history dequantized from the store + full-precision window) and to chunk tokens s..t in full
      precision. GQA: query head h reads KV head h // (H / Hkv) without materializing a repeat.
-  2. append: the chunk joins the stored state, giving state(e): tokens [n_q(s), n_q(e)) are quantized in whole
-     G-token groups (taken from the window or the chunk), and the window rows of tokens [max(s, e - W), e) are
-     written at row t % W.
+  2. append: the chunk joins the stored state, giving state(e): tokens [S + n_q(s), S + n_q(e)) are quantized in
+     whole G-token groups (taken from the window or the chunk), sinks t < S are written at window row t and the
+     other tokens of [max(s, e - W), e) at row S + (t - S) % W (format.py: S = sink_tokens, W = R + G - 1).
 Inputs:  q [tokens, H, D], k/v [tokens, Hkv, D] (post-RoPE), slot_ids/past_len/chunk_len [B] int32,
          block_table [B, max_blocks] int32, buffers: the 8 cache buffers of format.BUFFER_NAMES.
 Outputs: out [tokens, H, D] (q's dtype) and the updated buffers.
@@ -72,20 +72,39 @@ def _blocks_of(buf: torch.Tensor, table_row: torch.Tensor, n_blocks: int) -> tor
     return b.permute(1, 0, 2, 3).reshape(b.shape[1], -1, b.shape[3])
 
 
+def window_rows(cfg: KiviConfig, t: torch.Tensor) -> torch.Tensor:
+    """Window rows of tokens t (format.KiviConfig.window_row): a sink at row t, the others in the ring after them."""
+    s = cfg.sink_tokens
+    return torch.where(t < s, t, s + (t - s) % cfg.window_capacity)
+
+
+def _rows(cfg: KiviConfig, t0: int, t1: int) -> torch.Tensor:
+    """Window rows of tokens [t0, t1)."""
+    return window_rows(cfg, torch.arange(t0, max(t0, t1)))
+
+
+def full_precision_rows(cfg: KiviConfig, past: int) -> torch.Tensor:
+    """Window rows of the full-precision tokens after `past` tokens, in token order: the sinks [0, min(S, past)),
+    then the ring's tokens [S + n_q(past), past)."""
+    s0 = min(cfg.sink_tokens, past)
+    return torch.cat([torch.arange(s0), _rows(cfg, s0 + cfg.num_quantized(past), past)])
+
+
 def history(buffers: KiviBuffers, cfg: KiviConfig, slot: int, table_row: torch.Tensor, past: int
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stored state after `past` tokens as full-precision K/V [Hkv, past, D] (window dtype)."""
+    """The stored state after `past` tokens as full-precision K/V [Hkv, past, D] (window dtype), in token order:
+    the sinks [0, min(S, past)), the quantized tokens [S, S + n_q), the ring's tokens [S + n_q, past)."""
     _, hkv, w, d = buffers.k_window.shape
     dtype = buffers.k_window.dtype
-    n_q = cfg.num_quantized(past)
-    ks, vs = [], []
+    n_q, s0 = cfg.num_quantized(past), min(cfg.sink_tokens, past)
+    ks, vs = [buffers.k_window[slot][:, :s0]], [buffers.v_window[slot][:, :s0]]
     if n_q:
         nb = math.ceil(n_q / cfg.block_size)
         kc, kscale, kzero = (_blocks_of(t, table_row, nb) for t in buffers[0:3])
         vc, vscale, vzero = (_blocks_of(t, table_row, nb) for t in buffers[3:6])
         ks.append(dequantize_keys(kc, kscale, kzero, cfg, n_q, d, dtype))
         vs.append(dequantize_values(vc[:, :n_q], vscale[:, :n_q], vzero[:, :n_q], cfg, d, dtype))
-    rows = torch.arange(n_q, past) % w
+    rows = _rows(cfg, s0 + n_q, past)
     ks.append(buffers.k_window[slot][:, rows])
     vs.append(buffers.v_window[slot][:, rows])
     return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
@@ -93,20 +112,22 @@ def history(buffers: KiviBuffers, cfg: KiviConfig, slot: int, table_row: torch.T
 
 def append(buffers: KiviBuffers, cfg: KiviConfig, slot: int, table_row: torch.Tensor, past: int,
            k: torch.Tensor, v: torch.Tensor) -> None:
-    """Append a chunk k/v [Hkv, c, D] to the stored state after `past` tokens, in place."""
-    _, hkv, w, d = buffers.k_window.shape
+    """Append a chunk k/v [Hkv, c, D] to the stored state after `past` tokens, in place. Store index j holds
+    token S + j (sinks never enter a group)."""
     c = k.shape[1]
     end = past + c
+    s0, w = cfg.sink_tokens, cfg.window_capacity
     q0, q1 = cfg.num_quantized(past), cfg.num_quantized(end)
-    if q1 > q0:  # flush whole groups [q0, q1): older tokens from the window, newer ones from the chunk
-        old = torch.arange(q0, min(past, q1))
-        kf = torch.cat([buffers.k_window[slot][:, old % w], k[:, : max(0, q1 - past)]], dim=1)
-        vf = torch.cat([buffers.v_window[slot][:, old % w], v[:, : max(0, q1 - past)]], dim=1)
+    if q1 > q0:  # flush whole groups of tokens [S + q0, S + q1): older ones from the window, newer from the chunk
+        old = _rows(cfg, s0 + q0, min(past, s0 + q1))
+        new = slice(max(0, s0 + q0 - past), max(0, s0 + q1 - past))  # chunk rows of the rest (never a sink)
+        kf = torch.cat([buffers.k_window[slot][:, old], k[:, new]], dim=1)
+        vf = torch.cat([buffers.v_window[slot][:, old], v[:, new]], dim=1)
         kq, vq = quantize_keys(kf, cfg), quantize_values(vf, cfg)
         bs, g = cfg.block_size, cfg.group_size
         kpw = codes_per_word(cfg.k_bits)
-        for t0 in range(q0, q1, g):  # groups never straddle blocks (block_size is a multiple of G)
-            blk, r, i = int(table_row[t0 // bs]), t0 % bs, t0 - q0
+        for j0 in range(q0, q1, g):  # groups never straddle blocks (block_size is a multiple of G)
+            blk, r, i = int(table_row[j0 // bs]), j0 % bs, j0 - q0
             if cfg.key_grouping == "per_channel":
                 buffers.k_codes[blk, :, r // kpw:(r + g) // kpw] = kq[0][:, i // kpw:(i + g) // kpw]
                 buffers.k_scale[blk, :, r // g] = kq[1][:, i // g]
@@ -116,10 +137,12 @@ def append(buffers: KiviBuffers, cfg: KiviConfig, slot: int, table_row: torch.Te
                     dst[blk, :, r:r + g] = src[:, i:i + g]
             for dst, src in zip(buffers[3:6], vq):
                 dst[blk, :, r:r + g] = src[:, i:i + g]
-    first = max(past, end - w)  # every live token's row; older chunk tokens would be overwritten anyway
-    rows = torch.arange(first, end) % w
-    buffers.k_window[slot][:, rows] = k[:, first - past:]
-    buffers.v_window[slot][:, rows] = v[:, first - past:]
+    # Every live token's row: sinks always; of the others only the last W (older ones would be overwritten).
+    first = max(past, min(s0, end), end - w)
+    t = torch.cat([torch.arange(past, max(past, min(s0, end))), torch.arange(first, end)])
+    rows = window_rows(cfg, t)
+    buffers.k_window[slot][:, rows] = k[:, t - past]
+    buffers.v_window[slot][:, rows] = v[:, t - past]
 
 
 def check_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tensor, past_len: torch.Tensor,

@@ -45,8 +45,8 @@ class OrtRunner(CacheRunner):
         if len(nodes) != info.geometry.num_layers:
             raise ValueError(f"the graph has {len(nodes)} {PLUGIN_NAME} nodes; its build config says "
                              f"num_layers={info.geometry.num_layers}")
-        for n in nodes:
-            info.check_node_fields({a.name: a.i for a in n.attribute if a.name in FIELD_NAMES}, f"node {n.name}")
+        for i, n in enumerate(nodes):  # each node records its layer's rotation codes
+            info.check_node_fields({a.name: a.i for a in n.attribute if a.name in FIELD_NAMES}, f"node {n.name}", i)
         self.info = info
         self.vocab_size = info.vocab_size
         self.max_slots, self.max_seq_len = info.spec.max_batch_size, info.spec.max_seq_len

@@ -88,6 +88,8 @@ struct KiviStepParams
     int32_t attentionImpl; //!< KiviAttentionImpl: 0 = auto (= 3, mma.sync), 1 / 2 legacy (refused), 3 = mma.sync
     int32_t ctasPerSm;     //!< resident attention CTAs per SM the split is sized for (0: kMMA_CTAS_PER_SM); the
                            //!< launcher's kiviAttentionCtasPerSm() gives the real occupancy on the current device
+    // FORMAT_VERSION 2 (format.py); rotation is applied outside the op, so only the sinks reach the kernels
+    int32_t sinkTokens; //!< S: tokens [0, S) kept in full precision; these kernels refuse S > 0 for now
 };
 
 //! Attention kernel choice (KiviStepParams::attentionImpl). Same decomposition, same workspace.

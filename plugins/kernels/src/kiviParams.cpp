@@ -183,6 +183,14 @@ int32_t kiviValidate(KiviStepParams const& p, int32_t phase, char* msg, size_t m
             p.maxSeqLen, static_cast<long long>(capacity), p.maxBlocksPerSeq, p.blockSize,
             windowCapacity(p.residualLength, p.groupSize), static_cast<long long>(capacity));
     }
+    if (p.sinkTokens != 0)
+    {
+        // Sinks change the window layout and n_q (format.py, FORMAT_VERSION 2); refuse rather than misread them.
+        return fail(msg, msgLen,
+            "sink_tokens=%d is not supported by the current KIVI kernels; allowed: 0 (sinks run in the torch "
+            "reference, memo and onnxruntime paths until the fragment-native kernels support them)",
+            p.sinkTokens);
+    }
     if (p.attentionImpl == kKIVI_ATTN_SIMT || p.attentionImpl == kKIVI_ATTN_TENSOR_CORE)
     {
         return fail(msg, msgLen,
