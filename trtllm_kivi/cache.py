@@ -176,7 +176,7 @@ class AttentionBackend(ABC):
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         ...
 
-    def free(self, slot: int) -> None:
+    def free(self, slot: int) -> None:  # noqa: B027  (optional hook: most backends keep no per-sequence state)
         """The sequence in `slot` was freed (drop any per-sequence state)."""
 
 

@@ -296,7 +296,7 @@ class KiviConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "KiviConfig":
+    def from_dict(cls, d: dict) -> KiviConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

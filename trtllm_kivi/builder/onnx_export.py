@@ -183,9 +183,9 @@ def export_llama(model, cfg: KiviConfig, spec: ExportSpec) -> onnx.ModelProto:
     for i, blk in enumerate(model.layers):
         p = f"layers.{i}."
         past, present = cache_io_names(i)
-        for name, pn in zip(BUFFER_NAMES, past):
+        for name, pn in zip(BUFFER_NAMES, past, strict=False):
             inputs.append(helper.make_tensor_value_info(pn, ONNX_DTYPES[dtypes[name]], list(shapes[name])))
-        for name, pn in zip(BUFFER_NAMES, present):
+        for name, pn in zip(BUFFER_NAMES, present, strict=False):
             outputs.append(helper.make_tensor_value_info(pn, ONNX_DTYPES[dtypes[name]], list(shapes[name])))
 
         hn = g.rms_norm(x, g.weight(p + "attn_norm.weight", blk.attn_norm.weight), mc.norm_eps)

@@ -98,7 +98,7 @@ class KiviLibrary:
     def launch_plan(self, params: KiviStepParams) -> dict[str, int]:
         out = (ctypes.c_int64 * len(PLAN_FIELDS))()
         self.lib.kiviCLaunchPlan(ctypes.byref(params), out)
-        return dict(zip(PLAN_FIELDS, (int(x) for x in out)))
+        return dict(zip(PLAN_FIELDS, (int(x) for x in out), strict=False))
 
     def workspace_size(self, params: KiviStepParams) -> int:
         return int(self.lib.kiviCWorkspaceSize(ctypes.byref(params)))

@@ -123,7 +123,7 @@ def prepare(plan: LaunchPlan, cfg: KiviConfig, slot_ids: list[int], past_len: li
     """kiviPrepareKernel for every sequence -> (infos, OR of the error bits)."""
     infos, flag = [], 0
     tokens = tiles = 0
-    for b, (slot, s, c) in enumerate(zip(slot_ids, past_len, chunk_len)):
+    for b, (slot, s, c) in enumerate(zip(slot_ids, past_len, chunk_len, strict=False)):
         e, err = s + c, 0
         if s < 0 or c < 0 or c > plan.max_chunk_len or tokens + c > num_tokens:
             err |= ERR_LENGTH
@@ -204,8 +204,9 @@ def append(k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tensor, past_len: t
         s, e, slot = pasts[b], pasts[b] + chunks[b], slots[b]
         q0, q1 = cfg.num_quantized(s), cfg.num_quantized(e)
 
-        def rows_of(t0: int, src_k: np.ndarray, src_w: np.ndarray) -> np.ndarray:  # loadHistoryOrChunk
-            ts = np.arange(t0, t0 + g)
+        def rows_of(t0: int, src_k: np.ndarray, src_w: np.ndarray, slot: int = slot, s: int = s,
+                    info=info) -> np.ndarray:  # loadHistoryOrChunk (loop values bound now)
+            ts = range(t0, t0 + g)
             return np.stack([src_w[slot, :, cfg.window_row(t)] if t < s else src_k[info.token_offset + t - s]
                              for t in ts], axis=1)  # [Hkv, G, D]
 

@@ -51,7 +51,7 @@ def _check_tensors(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers,
     """What the C++ validation cannot see: devices, dtypes, contiguity, shapes against the format."""
     from ..reference.attention import check_step
     tensors = {"q": q, "k": k, "v": v, "slot_ids": slot_ids, "past_len": past_len, "chunk_len": chunk_len,
-               "block_table": block_table, **dict(zip(buffers._fields, buffers))}
+               "block_table": block_table, **dict(zip(buffers._fields, buffers, strict=False))}
     for name, t in tensors.items():
         if not t.is_cuda:
             raise ValueError(f"{name} is on {t.device}; the KIVI CUDA kernels need CUDA tensors")

@@ -20,6 +20,7 @@ import math
 import random
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from collections.abc import Callable, Sequence
 
@@ -40,6 +41,10 @@ def bits_per_element(cfg: KiviConfig | None, geom: Geometry, seq_len: int, full_
     if cfg is None:
         return float(full_bits)
     return kivi_total_bytes(cfg, geom, seq_len) * 8 / elements
+
+
+def _mean_at(values: Sequence[float], idx: list[int]) -> float:
+    return sum(values[i] for i in idx) / len(idx)
 
 
 def bootstrap_ci(stat: Callable[[list[int]], float], n: int, resamples: int = 2000, seed: int = 0
@@ -84,7 +89,7 @@ def _unit(kind: str, name: str, *parts) -> str:
 
 def score_segments(model: LlamaModel, specs: dict[str, KVSpec], token_ids: Sequence[int], setup: QualitySetup,
                    cache: ResultCache, reference: str = "fp16", memo: bool = True,
-                   log: Callable[[str], None] = print, compute: bool = True) -> dict[str, list[dict]]:
+                   log: Callable[[str], None] = print, compute: bool = True) -> dict[str, list[dict | None]]:
     """Per-segment results {name: [row or None per segment]} (row: segment, nll, kl, top1, tokens), computing only
     what `cache` lacks (nothing with compute=False: missing units stay None). The reference reruns with any segment
     that has missing configurations (KL needs its logits)."""
@@ -135,7 +140,9 @@ def passkey_cells(model: LlamaModel, specs: dict[str, KVSpec], prompts: dict[tup
                     r = run_passkey(runner, prompts[(n, d)])
                     cache.put(key, {"kind": "pk", "kv": name, "length": n, "depth": d} | r.to_dict())
                     log(f"passkey {name} length {n} depth {d}: {'pass' if r.passed else 'fail'}")
-                out.append(cache.get(key))
+                row = cache.get(key)
+                if row is not None:
+                    out.append(row)
         return out
 
     results = {reference: cells(reference, lengths)}
@@ -156,11 +163,14 @@ def passkey_cells(model: LlamaModel, specs: dict[str, KVSpec], prompts: dict[tup
             "results": results, "summary": summary}
 
 
-def recipe_table(specs: dict[str, KVSpec], segs: dict[str, list[dict]], geom: Geometry, reference: str,
+def recipe_table(specs: dict[str, KVSpec], segs: dict[str, list[dict | None]], geom: Geometry, reference: str,
                  setup: QualitySetup, passkey: dict | None = None, resamples: int = 2000) -> dict:
     """quality_recipes.json: one entry per configuration keyed by its --kv string (see the module doc)."""
     def ppl(rows: list[float], idx: list[int]) -> float:
         return math.exp(sum(rows[i] for i in idx) / len(idx))
+
+    def _ppl_delta(a: list[float], b: list[float], idx: list[int]) -> float:
+        return 100 * (ppl(a, idx) / ppl(b, idx) - 1)
 
     entries = {}
     for name, spec in specs.items():
@@ -168,8 +178,8 @@ def recipe_table(specs: dict[str, KVSpec], segs: dict[str, list[dict]], geom: Ge
                 if r is not None and f is not None]
         if not both:
             continue
-        rows = [segs[name][i] for i in both]  # paired with the reference on the same segments
-        ref_nll = [segs[reference][i]["nll"] for i in both]
+        rows: list[dict] = [segs[name][i] or {} for i in both]  # paired with the reference on the same segments
+        ref_nll = [(segs[reference][i] or {})["nll"] for i in both]
         n = len(both)
         nll = [r["nll"] for r in rows]
         kl = [r["kl"] for r in rows]
@@ -182,11 +192,9 @@ def recipe_table(specs: dict[str, KVSpec], segs: dict[str, list[dict]], geom: Ge
              "residual_length": c.residual_length if c else None,
              "ppl": ppl(nll, every),
              "ppl_delta_pct": 100 * (ppl(nll, every) / ppl(ref_nll, every) - 1),
-             "ppl_delta_ci95": bootstrap_ci(lambda idx, a=nll, b=ref_nll: 100 * (ppl(a, idx) / ppl(b, idx) - 1),
-                                            n, resamples) if n > 1 else None,
+             "ppl_delta_ci95": bootstrap_ci(partial(_ppl_delta, nll, ref_nll), n, resamples) if n > 1 else None,
              "kl_mean": sum(kl) / n,
-             "kl_ci95": bootstrap_ci(lambda idx, a=kl: sum(a[i] for i in idx) / len(idx), n, resamples)
-             if n > 1 else None,
+             "kl_ci95": bootstrap_ci(partial(_mean_at, kl), n, resamples) if n > 1 else None,
              "top1": sum(r["top1"] for r in rows) / n,
              "bits_per_element": {str(t): round(bits_per_element(c, geom, t), 4) for t in CONTEXTS},
              "passkey_pass_rate": (passkey or {}).get("summary", {}).get(name, {}).get("pass_rate"),

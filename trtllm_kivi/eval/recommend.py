@@ -124,6 +124,7 @@ def candidates(level: str, errors: LayerErrors, sinks: int, margin: float, knobs
         s = parse_kv(f"{level}+sink{sinks}", **(knobs or {}))
         out[s.name] = s
     k_rot, v_rot = errors.choose(margin)
+    assert plain.kivi is not None, f"{level} is not a KIVI level"
     cfg = replace(plain.kivi, sink_tokens=sinks, k_rotation=k_rot, v_rotation=v_rot)
     if cfg.rotated:
         name = recipe_name(cfg)
@@ -144,6 +145,8 @@ def recommend(model: LlamaModel, token_ids: Sequence[int], setup: QualitySetup, 
     criteria, rejected, specs_all = {}, {}, {"fp16": fp16}
     for level in levels:
         plain_spec = parse_kv(level, **(knobs or {}))
+        if plain_spec.kivi is None:
+            raise ValueError(f"recommend level {level!r} is not a KIVI spec; allowed: kivi2, k4v2, kivi4, ...")
         errors = layer_errors(model, calib, replace(plain_spec.kivi, sink_tokens=sinks))
         criteria[level] = errors
         specs = candidates(level, errors, sinks, margin, knobs)

@@ -9,7 +9,7 @@ chunk is exact for each of them: scoring in chunks costs one forward per chunk i
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -33,7 +33,7 @@ def chunk_plan(start: int, end: int, configs: Iterable[KiviConfig], max_chunk: i
         raise ValueError(f"max_chunk={max_chunk} must be >= 1")
     cuts = sorted({p for cfg in configs for p in flush_points(cfg, start, end)} | {start, end})
     plan = []
-    for s, e in zip(cuts, cuts[1:]):
+    for s, e in zip(cuts, cuts[1:], strict=False):
         plan += [(a, min(a + max_chunk, e)) for a in range(s, e, max_chunk)]
     return plan
 
@@ -51,7 +51,7 @@ def score_sequence(runner: Runner, tokens: Sequence[int], prefix: int, plan: Seq
     n = len(tokens)
     if not 1 <= prefix < n - 1:
         raise ValueError(f"prefix={prefix} must be in [1, {n - 2}] for a sequence of {n} tokens")
-    if not plan or plan[0][0] != prefix or plan[-1][1] != n - 1 or any(a[1] != b[0] for a, b in zip(plan, plan[1:])):
+    if not plan or plan[0][0] != prefix or plan[-1][1] != n - 1 or any(a[1] != b[0] for a, b in zip(plan, plan[1:], strict=False)):
         raise ValueError(f"the chunk plan must tile [{prefix}, {n - 1}) contiguously")
     if n - 1 > runner.max_seq_len:
         raise ValueError(f"sequence of {n} tokens exceeds the runner's max_seq_len={runner.max_seq_len}")

@@ -228,7 +228,7 @@ class LlamaModel(nn.Module):
 
     @classmethod
     def from_hf_state_dict(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                           device: str | torch.device = "cpu") -> "LlamaModel":
+                           device: str | torch.device = "cpu") -> LlamaModel:
         """Build from Hugging Face-named weights (checked: every tensor present with its shape, none unknown)."""
         expected = cls.hf_weight_shapes(cfg)
         missing = [n for n in expected if n not in sd]

@@ -40,13 +40,13 @@ class KiviBuffers(NamedTuple):
 
     @staticmethod
     def allocate(cfg: KiviConfig, num_kv_heads: int, head_dim: int, num_blocks: int, num_slots: int,
-                 dtype: torch.dtype = torch.float16, device: str | torch.device = "cpu") -> "KiviBuffers":
+                 dtype: torch.dtype = torch.float16, device: str | torch.device = "cpu") -> KiviBuffers:
         shapes = buffer_shapes(cfg, num_kv_heads, head_dim, num_blocks, num_slots)
         sdt = torch_dtype(cfg.scale_dtype)
         dts = {"k_codes": torch.int32, "v_codes": torch.int32, "k_window": dtype, "v_window": dtype}
         return KiviBuffers(*(torch.zeros(shapes[n], dtype=dts.get(n, sdt), device=device) for n in BUFFER_NAMES))
 
-    def clone(self) -> "KiviBuffers":
+    def clone(self) -> KiviBuffers:
         return KiviBuffers(*(t.clone() for t in self))
 
 
@@ -133,9 +133,9 @@ def append(buffers: KiviBuffers, cfg: KiviConfig, slot: int, table_row: torch.Te
                 buffers.k_scale[blk, :, r // g] = kq[1][:, i // g]
                 buffers.k_zero[blk, :, r // g] = kq[2][:, i // g]
             else:
-                for dst, src in zip(buffers[0:3], kq):
+                for dst, src in zip(buffers[0:3], kq, strict=False):
                     dst[blk, :, r:r + g] = src[:, i:i + g]
-            for dst, src in zip(buffers[3:6], vq):
+            for dst, src in zip(buffers[3:6], vq, strict=False):
                 dst[blk, :, r:r + g] = src[:, i:i + g]
     # Every live token's row: sinks always; of the others only the last W (older ones would be overwritten).
     first = max(past, min(s0, end), end - w)
@@ -163,7 +163,7 @@ def check_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_ids: torc
     if h % hkv != 0:
         raise ValueError(f"num_heads={h} must be a multiple of num_kv_heads={hkv}")
     expected = buffer_shapes(cfg, hkv, d, num_blocks, num_slots)
-    for name, t in zip(BUFFER_NAMES, buffers):
+    for name, t in zip(BUFFER_NAMES, buffers, strict=False):
         if tuple(t.shape) != expected[name]:
             raise ValueError(f"buffer {name} has shape {tuple(t.shape)}, expected {expected[name]}")
     b = slot_ids.shape[0]
