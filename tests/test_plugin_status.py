@@ -15,7 +15,7 @@ import torch
 from trtllm_kivi.builder.onnx_export import export_llama, graph_info
 from trtllm_kivi.format import KiviConfig
 from trtllm_kivi.models.tiny import tiny_model
-from trtllm_kivi.op import STATUS_BITS, ExportSpec, cache_io_names, status_name
+from trtllm_kivi.op import STATUS_BITS, ExportSpec, status_name
 from trtllm_kivi.runtime.ort_runner import OrtRunner, step_feeds
 from trtllm_kivi.runtime.trt_runner import TrtRunner
 
@@ -28,10 +28,8 @@ def test_onnxruntime_graph_reports_status_zero_for_every_layer():
     ort = OrtRunner(export_llama(model, CFG, SPEC), graph_info(model, CFG, SPEC))
     slots = [ort.add_sequence(), ort.add_sequence()]
     st = ort.cache.begin_step(slots, [40, 3])
-    feeds = step_feeds(st, [list(range(40)), [7, 8, 9]], all_logits=False)
-    for layer, bufs in enumerate(ort.cache.layers):
-        feeds |= {n: t.numpy() for n, t in zip(cache_io_names(layer)[0], bufs)}
-    outs = dict(zip(ort._outputs, ort.session.run(None, feeds)))
+    feeds = step_feeds(st, [list(range(40)), [7, 8, 9]], all_logits=False)  # the cache is updated in place
+    outs = dict(zip(ort._outputs, ort.session.run(None, feeds), strict=True))
     for layer in range(mc.n_layers):
         status = outs[status_name(layer)]
         assert status.dtype == np.int32 and status.tolist() == [0], (layer, status)
