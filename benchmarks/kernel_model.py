@@ -529,72 +529,81 @@ def _mma_q_lanes(lane: int) -> int:  # float2 qS[g][16 kb + 8 reg + 2 t], rows o
     return g * 136 * 4 + 2 * t * 4
 
 
+def _mma_vrow_lanes(lane: int) -> int:  # V scale / zero row of key 2t (D = 128, Gv = 32: 4 fp16 = 8 bytes per key)
+    return 2 * (lane % 4) * 8
+
+
 MMA_SMEM = (
-    SmemAccess(MMA, "w[j] = src[j];\n                }\n                float c[4]", "LDS",
+    SmemAccess(MMA, "w[tau][j] = src[j];", "LDS",
                _lanes(lambda lane: lane * 16), "K words of the lane's A registers: 16 contiguous bytes per lane"),
-    SmemAccess(MMA, "w[j] = src[j];\n                }\n                int32_t const vGroups", "LDS",
+    SmemAccess(MMA, "w[j] = src[j];\n                }\n                uint32_t const wb0", "LDS",
                _lanes(lambda lane: lane * 16), "V words: 16 contiguous bytes per lane"),
-    SmemAccess(MMA, "float2 const qq = *reinterpret_cast<float2 const*>(&qS[g][ch]);", "LDS", _lanes(_mma_q_lanes),
-               "q row g = lane / 4 (rows of D + 8 = 136 floats), channels 2 t, 2 t + 1: conflict-free"),
-    SmemAccess(MMA, "return loadScale(base, i, dtype);", "LDS",
-               _lanes(lambda lane: (lane // 4) * 8), "staged V scale/zero through a generic pointer: key g = lane / 4 "
-               "(8 halves 8 B apart, broadcast over t): one wavefront"),
-    SmemAccess(MMA, "return __half22float2(*reinterpret_cast<__half2 const*>(base + ch * 2));", "LDS",
+    SmemAccess(MMA, "float2 const qq = *reinterpret_cast<float2 const*>(&qS[g][16 * kb + 8 * (k % 2) + 2 * t]);", "LDS",
+               _lanes(_mma_q_lanes), "q row g = lane / 4 (rows of D + 8 = 136 floats), channels 2 t, 2 t + 1: "
+               "conflict-free (once per CTA)"),
+    SmemAccess(MMA, "return *reinterpret_cast<uint32_t const*>(base + i * 2);", "LDS",
                _lanes(lambda lane: (lane % 4) * 4), "staged K scale/zero pair of channels 2 t, 2 t + 1 (generic "
                "pointer), broadcast over g: one wavefront"),
+    SmemAccess(MMA, "s[k][j] = reinterpret_cast<uint32_t const*>(sBase + key * kVG * 2)[j];", "LDS",
+               _lanes(_mma_vrow_lanes), "staged V scale row (D / 32 fp16) of key 2 t (+1, +8, +9): 8 B per lane, "
+               "broadcast over g: one wavefront"),
+    SmemAccess(MMA, "z[k][j] = reinterpret_cast<uint32_t const*>(zBase + key * kVG * 2)[j];", "LDS",
+               _lanes(_mma_vrow_lanes), "staged V zero row: as the scale row"),
+    SmemAccess(MMA, "uint4 const x = qaS[i * 32 + lane];", "LDS", _lanes(lambda lane: lane * 16),
+               "qa fragments [kb / 2][lane] uint4: 16 contiguous bytes per lane"),
+    SmemAccess(MMA, "qaS[i * 32 + lane] = make_uint4(x[0], x[1], x[2], x[3]);", "STS", _lanes(lambda lane: lane * 16),
+               "qa fragments, written once by warp 0"),
     SmemAccess(MMA, "qS[n][u % kD] = x;", "STS", _lanes(lambda lane: lane * 4), "consecutive words"),
-    SmemAccess(MMA, "cpAsync16(dst + o, src + o);", "LDGSTS", _lanes(lambda lane: lane * 16),
-               "cp.async 16 B per lane, contiguous"),
+    SmemAccess(MMA, 'asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n" ::"r"(s), "l"(gmem));', "LDGSTS",
+               _lanes(lambda lane: lane * 16), "cp.async 16 B per lane, contiguous"),
 )
 
+# Share of chunks whose online softmax rescales (a row maximum grew; warp-uniform vote). Scores of iid keys set a new
+# maximum in about ln(n) of n chunks (~10% of a warp's ~40 chunks at 32K); 0.25 is a conservative assumption.
+MMA_RESCALE_SHARE = 0.25
+
 MMA_RULES = (
-    PathRule(COMMON, LOADSCALE_BF16, 0, "fp16 scales: loadScale returns at the first test"),
-    PathRule(COMMON, "return static_cast<float const*>(ptr)[idx];", 0, "fp16 scales"),
-    PathRule(MMA, "computeQPrime<T, kD, __nv_bfloat16, AffK>(qS, kScale, kZero, g, t, qB, biasS);", 0,
-             "fp16 scales", optional=True),
-    PathRule(MMA, "computeQPrime<T, kD, float, AffK>(qS, kScale, kZero, g, t, qB, biasS);", 0, "fp16 scales",
-             optional=True),
-    PathRule(MMA, "loadFullPrecisionScores<T, kD>(p, wk, qS, kt, g, t, sc);", 0,
+    PathRule(MMA, "mmaKeyLoop<T, kD, kKB, kVB, half, 0>(p, wk, stages, qaS, c0, c1, cq, maskFrom, pos, lane, st);",
+             0, "fp16 scales with fp16 activations and G = 32 take the row-load copy of the key loop"),
+    PathRule(MMA, "mmaKeyLoop<T, kD, kKB, kVB, __nv_bfloat16, 0>(p, wk, stages, qaS, c0, c1, cq, maskFrom, pos, lane, st);",
+             0, "fp16 scales (the key loop is compiled once per scale path)"),
+    PathRule(MMA, "mmaKeyLoop<T, kD, kKB, kVB, float, 0>(p, wk, stages, qaS, c0, c1, cq, maskFrom, pos, lane, st);", 0,
+             "fp16 scales"),
+    PathRule(MMA, "loadFullPrecisionScores<T, kD, kKB>(p, wk, qaS, ci, g, t, sc);", 0,
              "quantized chunks (the window's <= 5 chunks are charged at the quantized chunk's instructions)"),
-    PathRule(MMA, "accumulateFullPrecisionValues<T, kD>(p, wk, kt, g, t, sc, st);", 0, "quantized chunks"),
+    PathRule(MMA, "accumulateFullPrecisionValues<T, kD>(p, wk, ci, tau, g, t, b0, b1, st.o);", 0, "quantized chunks"),
+    PathRule(MMA, "av[0] = g == vGroups ? kONE2 : 0U; // l only: full-precision keys have no V bias", 0,
+             "quantized chunks"),
     PathRule(MMA, "out[(token * p.numHeads + wk.h * grp + row % grp) * kD + u % kD] = ActTraits<T>::fromFloat(0.F);", 0,
              "valid sequences"),
-    PathRule(MMA, "out[(token * p.numHeads + head) * kD + ch] = ActTraits<T>::fromFloat(l > 0.F ? __fdiv_rn(o, l) : 0.F);",
+    PathRule(MMA, "= ActTraits<T>::fromFloat(lsum > 0.F ? __fdiv_rn(o, lsum) : 0.F);",
              lambda c: 0.0 if c.split else 1.0, "numSplits == 1 only"),
     PathRule(MMA, "partialAcc[idx * kD + ch] = o;", lambda c: 1.0 if c.split else 0.0, "numSplits > 1 only"),
     PathRule(MMA, "int64_t const idx = (token * p.numHeads + head) * plan.numSplits + wk.split;",
              lambda c: 1.0 if c.split else 0.0, "numSplits > 1 only"),
-    # V channel groups (Gv = 32 = two m-tiles): the P'' / bias block runs for every second m-tile, and its inner
-    # `vgi == vg` update for one vgi of kD / 32. Both are runtime branches over unrolled copies with the same line
-    # info, so they are weighted by the share of copies that run (an average over the copies, exact in total when
-    # the copies have equal size).
-    PathRule(MMA, "int32_t const vg = 16 * mt / gv;\n                        int32_t const k0i", 0.5,
-             "(16 mt) % Gv == 0 for half of the m-tiles"),
-    PathRule(MMA, "float& vb0 = st.vb[vgi][0];", lambda c: 1.0 / (c.shape.head_dim // 32), "vgi == vg: 1 of D / 32"),
+    # masking runs for the chunks that reach past maskFrom: the split's last chunk (decode), once per CTA, not per tile
+    PathRule(MMA, "if (!(key < wk.k1 && key <= pos[r & 1]))", 0, "chunks below maskFrom (all but a split's last)"),
+    PathRule(MMA, "int32_t const key = kt + 16 * tau + g + 8 * (r >> 1);", 0, "chunks below maskFrom"),
+    PathRule(MMA, "alpha[j] = mx[j] == st.m[j] ? 1.F : fastExp2(st.m[j] - mx[j]);", MMA_RESCALE_SHARE,
+             "rescale only when a row maximum grows (MMA_RESCALE_SHARE of the chunks)"),
+    PathRule(MMA, "st.o[mt][r] *= alpha[r & 1];", MMA_RESCALE_SHARE, "rescale only when a row maximum grows"),
+    PathRule(MMA, "st.vb[r] *= alpha[r & 1];", MMA_RESCALE_SHARE, "rescale only when a row maximum grows"),
+    # K groups (G = 32 = one chunk): foldKeyGroup runs for every chunk
+    PathRule(MMA, "foldKeyGroup<T, kD, kKB, S>(qaS, kScale, kZero, g, t, qK, biasS);", lambda c: KEY_TILE / GROUP,
+             "a new key group every G / 32 chunks"),
 )
 
 
 def _mma_loops() -> tuple[LoopSpec, ...]:
-    def words_site(c: Ctx) -> int:  # warpCopy of one tile's K (or V) words: bytes / (32 lanes x 16 B)
-        return ceil_div(KEY_TILE * c.shape.head_dim * BITS // 8, 512)
-
-    def scale_site(c: Ctx) -> int:  # warpCopy of D (or 32 x D / Gv) fp16 scales or zeros
-        return ceil_div(c.shape.head_dim * 2, 512)
-
     return (
         LoopSpec("tile", lambda c: 1, "BRA", MMA, "for (int32_t ci = c0; ci < c1; ++ci)"),
         LoopSpec("qload", lambda c: MMA_TILE_ROWS * c.shape.head_dim // THREADS, "STS", MMA,
                  "for (int32_t u = threadIdx.x; u < kTILE_ROWS * kD; u += kMMA_THREADS)", ("qS[n][u % kD] = x;",)),
         LoopSpec("prologue", lambda c: MMA_STAGES - 1, "LDGDEPBAR", MMA,
                  "for (int32_t i = 0; i < kMMA_STAGES - 1; ++i)", ("issue(c0 + i);",)),
-        LoopSpec("copy", scale_site, "LDGSTS", MMA, "for (int32_t o = lane * 16; o < bytes; o += 32 * 16)",
-                 ("cpAsync16(dst + o, src + o);",),
-                 sites=((MMA, "warpCopy(dst, kw, Geo::kKWORDS * 4, lane);", words_site),
-                        (MMA, "warpCopy(dst, vw, Geo::kVWORDS * 4, lane);", words_site))),
         LoopSpec("out", lambda c: ceil_div(min(MMA_TILE_ROWS, c.shape.group_heads) * c.shape.head_dim, THREADS), "STG",
                  MMA, "for (int32_t u = threadIdx.x; u < wk.nRows * kD; u += kMMA_THREADS)",
-                 ("partialAcc[idx * kD + ch] = o;",
-                  "out[(token * p.numHeads + head) * kD + ch] = ActTraits<T>::fromFloat(l > 0.F ? __fdiv_rn(o, l) : 0.F);")),
+                 ("partialAcc[idx * kD + ch] = o;", "= ActTraits<T>::fromFloat(lsum > 0.F ? __fdiv_rn(o, lsum) : 0.F);")),
     )
 
 
@@ -980,8 +989,16 @@ class KernelAnalysis:
                     if anchor & set(ins.stack) and op_class(ins.opcode) == specs[lp.tag].anchor_op)
             lp.unroll = n
 
-    def tile_loop(self) -> int:
+    def tile_loop(self, weights: dict[int, float] | None = None) -> int:
         cands = [i for i, lp in enumerate(self.loops) if lp.tag == "tile"]
+        if len(cands) > 1 and weights is not None:  # copies of the loop (e.g. one per scale dtype): the one on the
+            # path, i.e. the most weighted instructions (a dead copy may keep a few unattributed weight-1 instructions)
+            def live(i: int) -> float:
+                return sum(weights[b] * len(self.blocks[b].instrs) for b in self._own_blocks(i))
+            best = max(cands, key=live)
+            if any(live(i) > 0.1 * live(best) for i in cands if i != best):
+                raise ValueError(f"{self.spec.name} ({self.arch}): {len(cands)} live copies of the tile loop")
+            cands = [best]
         if len(cands) != 1:
             raise ValueError(f"{self.spec.name} ({self.arch}): expected one SASS loop tagged tile, found {len(cands)}")
         return cands[0]
@@ -1129,7 +1146,7 @@ class KernelAnalysis:
     def _count(self, ctx: Ctx) -> tuple[Count, Count]:
         weights = self._weights(ctx)
         trips, scale = self._trips(ctx, weights)
-        tl = self.tile_loop()
+        tl = self.tile_loop(weights)
         tile, rest = Count(), Count()
         smem = self._smem_patterns(ctx)
         warps = ceil_div(self.spec.threads, WARP)
@@ -1266,6 +1283,11 @@ def analyze(specs: Sequence[KernelSpec] = KERNELS, archs: Sequence[str] = ARCHS,
 # ------------------------------------------------------------------------------------------------ timing
 
 DRAM_LATENCY_NS = 800.0  # loaded device-memory latency assumed for the bytes-in-flight check (detail only)
+# Tensor-pipe cycles of one mma.sync (HMMA, m16n8k16 or k8) per SM sub-partition, a detail reported next to the three
+# bounds: A100's dense fp16 peak (312 TFLOPS, 108 SMs, 1.41 GHz) is 256 FMA per clock per sub-partition = 8 cycles
+# per m16n8k16; Hopper's legacy mma.sync path reaches about 2/3 of its wgmma peak (2048 FMA/clk/SM): ~6 cycles
+# (an assumption, not measured here). k8 MMAs are charged as k16.
+MMA_CYCLES = {"sm_80": 8.0, "sm_90": 6.0}
 
 
 def _round(x: float, n: int = 3) -> float:
@@ -1290,7 +1312,7 @@ def predict(result: KernelResult, gpu: Gpu, shape: ModelShape, batch: int, conte
     tile_bytes = spec.tile_bytes(shape)
     d = shape.head_dim
     # CTAs in launch order (blockIdx.x = sequence fastest, then KV head, then split): cost by split
-    ctas: list[tuple[float, float, float]] = []  # (warp-instructions, wavefronts, device bytes)
+    ctas: list[tuple[float, float, float, float]] = []  # (warp-instructions, wavefronts, device bytes, MMAs)
     L = plan.seq_split_len
     for z in range(plan.num_splits):
         k0 = z * L
@@ -1302,7 +1324,8 @@ def predict(result: KernelResult, gpu: Gpu, shape: ModelShape, batch: int, conte
         q_tiles = q_keys // KEY_TILE
         w_keys = keys - q_keys
         nbytes = q_tiles * tile_bytes + w_keys * d * 2 * 2 + shape.group_heads * d * (2 + 4)
-        cost = (rest.instructions + tiles * tile.instructions, rest.wavefronts + tiles * tile.wavefronts, nbytes)
+        cost = (rest.instructions + tiles * tile.instructions, rest.wavefronts + tiles * tile.wavefronts, nbytes,
+                rest.by_class.get("MMA", 0.0) + tiles * tile.by_class.get("MMA", 0.0))
         ctas.extend([cost] * (batch * shape.num_kv_heads))
     waves: list[dict[str, Any]] = []
     issue_rate = gpu.issue_per_clk_per_sm * gpu.clock_ghz * 1e3  # warp-instructions per us per SM
@@ -1315,8 +1338,11 @@ def predict(result: KernelResult, gpu: Gpu, shape: ModelShape, batch: int, conte
              "shared": per_sm * max(c[1] for c in wave) / smem_rate,
              "memory": sum(c[2] for c in wave) / bw}
         bound = max(t, key=lambda k: t[k])
+        # detail: the tensor pipe (4 sub-partitions per SM) at MMA_CYCLES per mma.sync
+        tensor_us = per_sm * max(c[3] for c in wave) * MMA_CYCLES[result.arch] / (4 * gpu.clock_ghz * 1e3)
         waves.append({"ctas": len(wave), "ctas_per_sm": per_sm, "bound": bound,
-                      **{f"{k}_us": _round(v, 4) for k, v in t.items()}, "us": _round(t[bound], 4)})
+                      **{f"{k}_us": _round(v, 4) for k, v in t.items()}, "us": _round(t[bound], 4),
+                      "tensor_pipe_us": _round(tensor_us, 4)})
     attn_us = sum(w["us"] for w in waves)
     launches = 2 + (1 if plan.num_splits > 1 else 0)
     combine_bytes = batch * shape.num_heads * plan.num_splits * (d + 2) * 4 + batch * shape.num_heads * d * 2 \

@@ -150,6 +150,19 @@ def test_decode_loop_matches_reference(lib, kb, vb, g, r, d, h, hkv, dtype, sdt,
         pair.step(lib, [1, 1, 1], impl=impl)
 
 
+@pytest.mark.parametrize("sinks, kb, vb, dtype", [(4, 2, 2, torch.float16), (5, 4, 2, torch.bfloat16),
+                                                   (128, 2, 4, torch.float16)])
+def test_sink_tokens_match_reference(lib, sinks, kb, vb, dtype):
+    """FORMAT_VERSION 2 sinks: prefill across the sinks and the first flush points, then decode; the sink rows stay
+    in the window, the store starts at token S (reference: kivi_attention_ with the same config)."""
+    cfg = KiviConfig(k_bits=kb, v_bits=vb, group_size=32, residual_length=32, block_size=128, sink_tokens=sinks)
+    pair = Pair(cfg, 8, 2, 64, dtype, batch=3, mbs=4)
+    pair.step(lib, [3, 70, 150])
+    pair.step(lib, [40, 1, 1])
+    for _ in range(40):
+        pair.step(lib, [1, 1, 1])
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("batch", [1, 3, 17])
 @pytest.mark.parametrize("d, gqa, dtype", [(128, 4, torch.float16), (64, 1, torch.bfloat16),

@@ -95,7 +95,8 @@ def test_valid_params_pass(host_lib):
     (dict(attentionImpl=2), r"attention_impl=2 \(legacy"),
     (dict(ctasPerSm=-1), r"ctas_per_sm=-1 is out of range; allowed: 0 \(= 3\) \.\. 64"),
     (dict(numSms=-1), r"num_sms=-1 must be >= 0"),
-    (dict(sinkTokens=4), r"sink_tokens=4 is not supported by the current KIVI kernels; allowed: 0"),
+    (dict(sinkTokens=129), r"sink_tokens=129 is out of range; allowed: 0 \.\. 128"),
+    (dict(sinkTokens=4, maxSeqLen=64 * 128 + 4 + 160), r"max_seq_len=8356 is past the capacity of 8355 tokens"),
 ])
 def test_validation_names_the_bad_value(host_lib, over, match):
     p = make(**over)

@@ -105,6 +105,18 @@ def test_emulation_step_matches_reference(kb, vb, g, d, h, hkv, dtype, sdt):
     assert any(p.num_splits > 2 for p in many)
 
 
+@pytest.mark.parametrize("sinks, kb, vb, dtype", [(4, 2, 2, torch.float16), (5, 4, 2, torch.bfloat16),
+                                                   (128, 2, 4, torch.float16)])
+def test_emulation_with_sink_tokens(sinks, kb, vb, dtype):
+    """FORMAT_VERSION 2 sinks: the kernel reads the store first, then the sink rows, then the ring (any key order is
+    the same attention); prefill across the sinks and the first flush points, then decode; one split and many."""
+    cfg = KiviConfig(k_bits=kb, v_bits=vb, group_size=32, residual_length=32, block_size=128, sink_tokens=sinks)
+    steps = [[3, 70, 0], [2, 1, 150], [40, 1, 1], [1, 33, 1]]
+    few, _ = run_steps(cfg, 8, 2, 64, dtype, steps, num_sms=1)
+    many, _ = run_steps(cfg, 8, 2, 64, dtype, steps, num_sms=1000)
+    assert any(p.num_splits > 2 for p in many)
+
+
 def test_emulation_long_history_splits_and_warps():
     """700- and 1100-token histories: every warp gets several chunks, several splits per query are merged."""
     cfg = KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=32, block_size=128)

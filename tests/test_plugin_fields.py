@@ -20,7 +20,7 @@ import pytest
 from trtllm_kivi import format as fmt
 from trtllm_kivi.format import KiviConfig
 from trtllm_kivi.cuda import _abi
-from trtllm_kivi.op import (FIELD_NAMES, KERNEL_SINK_TOKENS, MAX_SINK_TOKENS, PLUGIN_NAME, PLUGIN_NAMESPACE,
+from trtllm_kivi.op import (FIELD_NAMES, MAX_SINK_TOKENS, PLUGIN_NAME, PLUGIN_NAMESPACE,
                             PLUGIN_VERSION, ROTATIONS, STATUS_BITS, STATUS_OUTPUT, config_from_fields,
                             describe_status, plugin_fields, rotations_from_fields)
 
@@ -66,7 +66,7 @@ def test_allowed_values_are_format_constants():
     assert allowed["key_grouping"] == {"values": list(range(len(fmt.SUPPORTED_KEY_GROUPINGS))),
                                        "names": list(fmt.SUPPORTED_KEY_GROUPINGS)}
     assert allowed["format_version"]["values"] == [fmt.FORMAT_VERSION]
-    assert allowed["sink_tokens"] == {"min": 0, "max": MAX_SINK_TOKENS, "supported": list(KERNEL_SINK_TOKENS)}
+    assert allowed["sink_tokens"] == {"min": 0, "max": MAX_SINK_TOKENS}
     for name in ("k_rotation", "v_rotation"):
         assert allowed[name] == {"values": list(range(len(ROTATIONS))), "names": list(ROTATIONS)}
     assert allowed["residual_length"]["min"] == 0
@@ -188,7 +188,6 @@ def test_cpp_field_table_matches_spec():
     header = (PLUGIN_DIR / "kiviAttentionParams.h").read_text()
     plugin_consts = {m[1]: m[2] for m in re.finditer(r"constexpr int32_t (\w+) = ([^;]+);", header)}
     assert int(plugin_consts["kMAX_SINK_TOKENS"]) == MAX_SINK_TOKENS
-    assert [int(plugin_consts["kSUPPORTED_SINK_TOKENS"])] == list(KERNEL_SINK_TOKENS)
     assert [int(plugin_consts[f"kROTATION_{n.upper()}"]) for n in ROTATIONS] == list(range(len(ROTATIONS)))
     assert plugin_consts["kOUT_STATUS"] == "kOUT_BUFFERS + kNUM_BUFFERS"
     assert plugin_consts["kNB_OUTPUTS"] == "kOUT_STATUS + 1"

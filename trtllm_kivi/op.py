@@ -33,7 +33,6 @@ OPSET = 18  # the default-domain opset of exported graphs
 # Issue 11's format options as plugin fields. The op is rotation-agnostic (rotation is applied in the graph): the
 # codes only record the format of this layer's cache, so a rotated cache is never read unrotated.
 ROTATIONS = SUPPORTED_ROTATIONS  # k_rotation / v_rotation codes 0, 1 (format.py; MAX_SINK_TOKENS too)
-KERNEL_SINK_TOKENS = (0,)  # what the CUDA plugin runs today: it refuses sink_tokens > 0 at creation
 
 
 @dataclass(frozen=True)
@@ -266,7 +265,7 @@ def find_library(name: str, env_var: str, path: str | os.PathLike | None = None,
 
 
 __all__ = ["PLUGIN_NAME", "PLUGIN_VERSION", "PLUGIN_NAMESPACE", "DOMAIN", "OPSET", "PluginField", "FIELDS",
-           "FIELD_NAMES", "ROTATIONS", "MAX_SINK_TOKENS", "KERNEL_SINK_TOKENS", "plugin_fields", "config_from_fields",
+           "FIELD_NAMES", "ROTATIONS", "MAX_SINK_TOKENS", "plugin_fields", "config_from_fields",
            "rotations_from_fields", "check_format_version", "STEP_INPUTS", "LOGITS", "cache_io_names",
            "STATUS_OUTPUT", "STATUS_BITS", "status_name", "describe_status", "GRAPH_DTYPES", "ExportSpec",
            "GraphInfo", "library_candidates", "find_library"]

@@ -232,13 +232,6 @@ std::string validateParams(KiviAttentionParams const& p)
         return "KiviAttention field sink_tokens=" + std::to_string(p.sinkTokens) + " must be in [0, "
             + std::to_string(kMAX_SINK_TOKENS) + "]";
     }
-    // Refused, never ignored: a kernel that quantized the sink tokens would silently read another format.
-    if (p.sinkTokens != kSUPPORTED_SINK_TOKENS)
-    {
-        return "KiviAttention field sink_tokens=" + std::to_string(p.sinkTokens)
-            + " is not supported yet: the KIVI CUDA kernels keep no full-precision sink tokens; allowed: "
-            + std::to_string(kSUPPORTED_SINK_TOKENS) + " (run sink-protected caches with the torch runtime)";
-    }
     for (auto const& r : {std::make_pair("k_rotation", p.kRotation), std::make_pair("v_rotation", p.vRotation)})
     {
         if (r.second != kROTATION_NONE && r.second != kROTATION_HADAMARD)
@@ -370,7 +363,7 @@ Dims bufferDims(KiviAttentionParams const& p, int32_t b, int64_t numBlocks, int6
     case kBUFFER_V_CODES: set(numBlocks, hkv, bs, d / vpw); break;
     case kBUFFER_V_SCALE:
     case kBUFFER_V_ZERO: set(numBlocks, hkv, bs, d / gv); break;
-    default: set(numSlots, hkv, windowCapacity(p.residualLength, p.groupSize), d); break; // k_window, v_window
+    default: set(numSlots, hkv, p.sinkTokens + windowCapacity(p.residualLength, p.groupSize), d); break; // windows
     }
     return dims;
 }

@@ -41,10 +41,9 @@ constexpr int32_t kOUT_BUFFERS = 1;
 constexpr int32_t kOUT_STATUS = kOUT_BUFFERS + kNUM_BUFFERS; // 9
 constexpr int32_t kNB_OUTPUTS = kOUT_STATUS + 1;             // 10
 
-//! sink_tokens: tokens [0, S) of each sequence kept in full precision (issue 11), 0 ..= kMAX_SINK_TOKENS. The
-//! KIVI kernels keep no sinks yet, so the creator refuses S > 0 (kSUPPORTED_SINK_TOKENS).
+//! sink_tokens: tokens [0, S) of each sequence kept in full precision (issue 11), 0 ..= kMAX_SINK_TOKENS: window rows
+//! [0, S) of each slot, before the ring (the windows have S + W rows).
 constexpr int32_t kMAX_SINK_TOKENS = 128;
-constexpr int32_t kSUPPORTED_SINK_TOKENS = 0;
 //! k_rotation / v_rotation codes: what this layer's cached K / V were multiplied by along head_dim before the op
 //! (the op is rotation-agnostic; the field records the format so a rotated cache is never read unrotated).
 constexpr int32_t kROTATION_NONE = 0;
@@ -63,7 +62,7 @@ struct KiviAttentionParams
     int32_t blockSize{kDEFAULT_BLOCK_SIZE};
     int32_t scaleDtype{kSCALE_DTYPE_FLOAT16};
     int32_t keyGrouping{kKEY_GROUPING_PER_CHANNEL};
-    int32_t sinkTokens{0}; // kSUPPORTED_SINK_TOKENS
+    int32_t sinkTokens{0};
     int32_t kRotation{0};  // kROTATION_NONE
     int32_t vRotation{0};  // kROTATION_NONE
     int32_t formatVersion{kFORMAT_VERSION};

@@ -85,6 +85,7 @@ std::string makeStepParams(
     s.residualLength = p.residualLength;
     s.blockSize = p.blockSize;
     s.scaleDtype = p.scaleDtype; // kSCALE_DTYPE_* == KiviDataType codes
+    s.sinkTokens = p.sinkTokens;
     s.keyGrouping = p.keyGrouping;
     s.actDtype = act == DataType::kBF16 ? kk::kKIVI_BFLOAT16 : kk::kKIVI_FLOAT16;
     s.batch = static_cast<int32_t>(values[0]);

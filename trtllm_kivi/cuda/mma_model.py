@@ -8,13 +8,18 @@ What it reproduces, in numpy, with the kernel's arithmetic:
   - the bit conversion: one shift + one lop3 per register, the code lands in the top b mantissa bits of 1.0
     (fp16 0x3C00 / bf16 0x3F80), so the register is the exact pair (1 + c_lo 2^-b, 1 + c_hi 2^-b); bf16 with 8-bit
     codes (7 mantissa bits) converts through fp32 instead (the register is the exact pair (c_lo, c_hi));
-  - the folded scales (per group, as the kernel): q' = rnd_T(qsc * s_k * 2^b) for the S MMA, with qsc = fl32(q / sqrt D)
-    and a per-(group, head) score bias  fl32-sum over channels of  qsc * z_k - q'  (the "1" of every converted code
-    times q' cancelled with the same rounded q'); for O^T: P'' = rnd_T(p * s_v * 2^b) per V channel group, and the
-    per-(group, head) bias  sum over keys of  z_v * p - P''  accumulated per lane and reduced once at the end;
+  - scores in log2 units: qsc = fl32(q fl32(log2(e) / sqrt D)), the softmax is ex2 (modelled as exact 2^x rounded to
+    fp32; the hardware's ex2.approx is within 2^-22, inside attention_tolerance);
+  - the folded scales (per group, as the kernel), every fold a packed 16-bit multiply or an MMA (T = act dtype,
+    register = alpha + beta c): qa = rnd_T(qsc) / beta, q'' = rnd_T(qa rnd_T(s_k)) per K group, and the score bias
+    beta (sum_ch qa rnd_T(z_k) - alpha/beta q'') as the kernel's m16n8k8 chains (low and high channel halves summed
+    in fp32), which seeds the score MMA; for O^T: w = rnd_T(p), P' = rnd_T((w / beta) rnd_T(s_v)) per V group, and
+    one MMA per 16 keys of [u ; 1] w^T with u = rnd_T(rnd_T(z_v) - alpha/beta rnd_T(s_v)): the V bias of each
+    group and l = sum of w;
   - the decomposition: CTA = (8 query rows, KV head, split); 4 warps split the split's 32-key chunks into contiguous
-    ranges, each with its own online softmax (m, l per head), merged once through shared memory; splits merged by
-    the combine kernel (LSE weights).
+    ranges, each with its own online softmax (m, l per head; a rescale by alpha = 1 when no maximum grows is what
+    the kernel skips), merged once through shared memory; splits merged by the combine kernel (LSE weights, m
+    written in natural-log units).
 The tensor-core products are modelled as exact products summed in float64 and rounded once to fp32 per MMA (the
 hardware's fp32 accumulation order differs: attention_tolerance bounds that too).
 """
@@ -34,6 +39,8 @@ WARPS = 4
 CHUNK = 32  # keys per warp iteration: two 16-key MMA tiles
 TILE = 16
 N = 8  # query rows per CTA (the MMA's N)
+LOG2E = 1.4426950408889634
+LN2 = np.float32(0.6931471805599453)
 ONE_BITS = {torch.float16: ONE_FP16, torch.bfloat16: ONE_BF16}
 MANTISSA = {torch.float16: 10, torch.bfloat16: 7}
 UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
@@ -188,16 +195,15 @@ class _Warp:
     """One warp's online-softmax state over its key range (heads = the CTA's N = 8 rows)."""
 
     def __init__(self, d: int, n_vgroups: int) -> None:
-        self.m = np.full(N, -np.inf, np.float32)
-        self.l_part = np.zeros((8, N), np.float32)  # per groupID lane g (keys g, g + 8 of every tile)
+        self.m = np.full(N, -np.inf, np.float32)  # log2 units
         self.o = np.zeros((d, N), np.float32)  # O^T: C fragments of the D / 16 channel m-tiles
-        self.vb_part = np.zeros((8, n_vgroups, N), np.float32)
+        self.vb = np.zeros((16, N), np.float32)  # C fragment of [V bias per group ; l] (rows >= groups + 1 unused)
+        self.n_vgroups = n_vgroups
 
     def finish(self, gv: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """End of the key loop: reduce l and the V bias over the 8 groupID lanes, add the bias to O."""
-        lsum = _tree_sum(self.l_part, 0)
-        vb = _tree_sum(self.vb_part, 0)  # [groups, N]
-        o = _f32(self.o + np.repeat(vb, gv, axis=0))
+        """End of the key loop: l is row `groups` of vb, the V bias of group (16 mt + g) / Gv is added to O."""
+        lsum = self.vb[self.n_vgroups].copy()
+        o = _f32(self.o + np.repeat(self.vb[:self.n_vgroups], gv, axis=0))
         return self.m, lsum, o
 
 
@@ -229,10 +235,37 @@ def _quantized_tiles(ctx: _Ctx, kind: str, blk: int, h: int, r: int) -> np.ndarr
     return np.stack(out)
 
 
-def _warp_chunk(ctx: _Ctx, warp: _Warp, qsc: np.ndarray, q_fp: np.ndarray, kt: int, k1: int, pos: np.ndarray,
-                live: np.ndarray, quant: bool, blk: int, h: int, slot: int, s: int, k_chunk: np.ndarray,
+def _key_fold(qa: np.ndarray, sk: np.ndarray, zk: np.ndarray, act: torch.dtype, bits: int
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """foldKeyGroup: qa [N, D] (rnd(qsc) / beta) and the group's K scale / zero [D] as T -> (q'' [N, D], bias [N]).
+    bias = beta (Cl + Ch): the m16n8k8 chains over the low / high 8 channels of every 16-channel block, each MMA one
+    fp32 rounding: first qa . z, then (if alpha) q'' . (-alpha / beta)."""
+    alpha, beta = code_affine(act, bits)
+    qk = _round_to(_f32(qa * sk[None]), act)
+    d = qa.shape[1]
+    parts = []
+    for half in (0, 1):
+        c = np.zeros(N, np.float32)
+        for kb in range(d // 16):
+            ch = 16 * kb + 8 * half + np.arange(8)
+            c = _f32(c + qa[:, ch].astype(np.float64) @ zk[ch].astype(np.float64))
+            if alpha:
+                c = _f32(c + qk[:, ch].astype(np.float64).sum(axis=1) * (-alpha / beta))
+        parts.append(c)
+    return qk, _f32(_f32(parts[0] + parts[1]) * np.float32(beta))
+
+
+def _exp2(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.exp2(x.astype(np.float64)).astype(np.float32)
+
+
+def _warp_chunk(ctx: _Ctx, warp: _Warp, qa: np.ndarray, q_fp: np.ndarray, kt: int, k1: int, pos: np.ndarray,
+                quant: bool, blk: int, h: int, slot: int, s: int, nq: int, k_chunk: np.ndarray,
                 v_chunk: np.ndarray) -> None:
-    """One 32-key chunk [kt, kt + 32) of one warp: S MMA, mask, online softmax, P V MMA (+ biases)."""
+    """One 32-key chunk [kt, kt + 32) of one warp: S MMA (seeded with the bias), mask, online softmax, P V MMA and
+    the [V bias ; l] MMA. Keys are in the kernel's order: store index j (token S + j) for j < n_q, then the S sink
+    tokens, then the ring's tokens and the chunk's (key = token from S + n_q on)."""
     d, act, cfg = ctx.d, ctx.act, ctx.cfg
     nvg = d // ctx.gv
     if quant:
@@ -240,30 +273,21 @@ def _warp_chunk(ctx: _Ctx, warp: _Warp, qsc: np.ndarray, q_fp: np.ndarray, kt: i
         ak = _quantized_tiles(ctx, "keys", blk, h, r)  # [2, D/16, 16 keys, 16 ch]
         av = _quantized_tiles(ctx, "values", blk, h, r)  # [2, D/16, 16 ch, 16 keys]
         grp = r // cfg.group_size
-        sk, zk = ctx.ks[blk, h, grp], ctx.kz[blk, h, grp]  # [D]
-        alpha_k, beta_k = code_affine(act, cfg.k_bits)
-        qp = _round_to(_f32(_f32(qsc * sk[None]) * _f32(1.0 / beta_k)), act)  # q' [N, D] (rows = heads)
-        # score bias per head: lane partials over its channels (fma z*qsc, then -alpha*q'), xor-shuffle over t
-        bias = np.zeros(N, np.float32)
-        lane_part = np.zeros((4, N), np.float32)
-        for blk16 in range(d // 16):
-            for reg in range(2):
-                for half in range(2):
-                    ch = 16 * blk16 + 8 * reg + 2 * np.arange(4) + half  # per t
-                    lane_part = _fma(qsc[:, ch].T, zk[ch][:, None], lane_part)
-                    lane_part = _fma(-alpha_k, qp[:, ch].T, lane_part)
-        bias = _tree_sum(lane_part, 0)
-        bq = qp.T  # B of S: [D (k), N]
+        sk, zk = _round_to(ctx.ks[blk, h, grp], act), _round_to(ctx.kz[blk, h, grp], act)  # [D] as T
+        bq, bias = _key_fold(qa, sk, zk, act, cfg.k_bits)
+        bq = bq.T  # B of S: [D (k), N]
         rows_v = r + np.arange(CHUNK)
-        sv, zv = ctx.vs[blk, h, rows_v], ctx.vz[blk, h, rows_v]  # [32 keys, groups]
+        sv, zv = _round_to(ctx.vs[blk, h, rows_v], act), _round_to(ctx.vz[blk, h, rows_v], act)  # [32, groups]
         alpha_v, beta_v = code_affine(act, cfg.v_bits)
+        u = _round_to(_f32(zv.astype(np.float64) - (alpha_v / beta_v) * sv.astype(np.float64)), act)  # [32, groups]
     else:
         keys = kt + np.arange(CHUNK)
         kr = np.zeros((CHUNK, d), np.float32)
         vr = np.zeros((CHUNK, d), np.float32)
-        for i, t in enumerate(keys):  # window rows t % W (t < s), chunk rows (t < k1), zeros past k1
-            if t < s:
-                kr[i], vr[i] = ctx.kwin[slot, h, t % ctx.kwin.shape[2]], ctx.vwin[slot, h, t % ctx.kwin.shape[2]]
+        for i, t in enumerate(keys):  # window rows (t < s), chunk rows (t < k1), zeros past k1
+            if t < s:  # key order: the store (tokens S..S + n_q), then the sinks, then the ring
+                row = cfg.window_row(int(t) - nq if t < nq + cfg.sink_tokens else int(t))
+                kr[i], vr[i] = ctx.kwin[slot, h, row], ctx.vwin[slot, h, row]
             elif t < k1:
                 kr[i], vr[i] = k_chunk[t - s, h], v_chunk[t - s, h]
         ak = kr.reshape(2, 16, d // 16, 16).transpose(0, 2, 1, 3)  # [2, D/16, 16 keys, 16 ch]
@@ -272,39 +296,38 @@ def _warp_chunk(ctx: _Ctx, warp: _Warp, qsc: np.ndarray, q_fp: np.ndarray, kt: i
         bq = q_fp.T
     sc = np.zeros((CHUNK, N), np.float32)
     for tau in range(2):
-        c = np.zeros((16, N), np.float32)
+        c = np.broadcast_to(bias[None], (16, N)).astype(np.float32)
         for kb in range(d // 16):
             c = _mma(c, ak[tau, kb], bq[16 * kb:16 * kb + 16])
-        sc[16 * tau:16 * tau + 16] = _f32(c + bias[None])
+        sc[16 * tau:16 * tau + 16] = c
     key = kt + np.arange(CHUNK)
-    visible = (key[:, None] < k1) & (key[:, None] <= pos[None, :]) & live[None, :]
+    visible = (key[:, None] < k1) & (key[:, None] <= pos[None, :])
     sc = np.where(visible, sc, -np.inf).astype(np.float32)
     m_new = np.maximum(warp.m, sc.max(axis=0))
-    finite = m_new != -np.inf
-    with np.errstate(invalid="ignore", over="ignore"):
-        alpha = np.where(finite, np.exp(warp.m - m_new), 1.0).astype(np.float32)
-        p = np.where(finite[None], np.exp(sc - m_new[None]), 0.0).astype(np.float32)  # [32 keys, N]
+    with np.errstate(invalid="ignore"):  # -inf - -inf where no key is visible yet: alpha = 1 there
+        alpha = np.where(m_new == warp.m, 1.0, _exp2(warp.m - m_new)).astype(np.float32)
     warp.m = m_new
-    warp.l_part = _f32(warp.l_part * alpha[None])
     warp.o = _f32(warp.o * alpha[None])
-    warp.vb_part = _f32(warp.vb_part * alpha[None, None])
+    warp.vb = _f32(warp.vb * alpha[None])
+    m_use = np.where(m_new == -np.inf, 0.0, m_new).astype(np.float32)
+    p = _exp2(_f32(sc - m_use[None]))  # [32 keys, N]
+    w = _round_to(p, act)  # the B fragment of P^T (pack + movmatrix)
     for tau in range(2):
-        pt = p[16 * tau:16 * tau + 16]  # [16 keys, N]
-        for half in range(2):  # lane g sums keys g then g + 8
-            warp.l_part = _f32(warp.l_part + pt[8 * half:8 * half + 8])
-        for vg in range(nvg):
-            if quant:
-                svt, zvt = sv[16 * tau:16 * tau + 16, vg], zv[16 * tau:16 * tau + 16, vg]
-                pp = _round_to(_f32(_f32(pt * svt[:, None]) * _f32(1.0 / beta_v)), act)  # P'' [16, N]
-                for half in range(2):  # lane g: keys g, g + 8: fma(z, p, vb), then -alpha * P''
-                    ks_ = slice(8 * half, 8 * half + 8)
-                    warp.vb_part[:, vg] = _fma(zvt[ks_, None], pt[ks_], warp.vb_part[:, vg])
-                    warp.vb_part[:, vg] = _fma(-alpha_v, pp[ks_], warp.vb_part[:, vg])
-            else:
-                pp = _round_to(pt, act)
-            bp = p_to_b_fragment(pp)  # through the lanes: equals pp
-            for cb in range(vg * ctx.gv // 16, (vg + 1) * ctx.gv // 16):
-                warp.o[16 * cb:16 * cb + 16] = _mma(warp.o[16 * cb:16 * cb + 16], av[tau, cb], bp)
+        wt = p_to_b_fragment(w[16 * tau:16 * tau + 16])  # [16 keys, N], through the lanes: equals w
+        a_bias = np.zeros((16, 16), np.float32)  # rows: V groups, then the ones row (l)
+        if quant:
+            alpha_v, beta_v = code_affine(act, cfg.v_bits)
+            wb = _f32(wt * np.float32(1.0 / beta_v))  # exact: a power of two
+            a_bias[:nvg] = u[16 * tau:16 * tau + 16].T
+            for vg in range(nvg):
+                pp = _round_to(_f32(wb * sv[16 * tau:16 * tau + 16, vg][:, None]), act)  # P' [16, N]
+                for cb in range(vg * ctx.gv // 16, (vg + 1) * ctx.gv // 16):
+                    warp.o[16 * cb:16 * cb + 16] = _mma(warp.o[16 * cb:16 * cb + 16], av[tau, cb], pp)
+        else:
+            for cb in range(d // 16):
+                warp.o[16 * cb:16 * cb + 16] = _mma(warp.o[16 * cb:16 * cb + 16], av[tau, cb], wt)
+        a_bias[nvg] = 1.0
+        warp.vb = _mma(warp.vb, a_bias, wt)
 
 
 def warp_ranges(k0: int, k1: int) -> list[tuple[int, int]]:
@@ -317,24 +340,26 @@ def warp_ranges(k0: int, k1: int) -> list[tuple[int, int]]:
 def cta(ctx: _Ctx, qrows: np.ndarray, live: np.ndarray, pos: np.ndarray, k0: int, k1: int, nq: int,
         table_row: torch.Tensor, h: int, slot: int, s: int, k_chunk: np.ndarray, v_chunk: np.ndarray
         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One CTA: qrows [8, D] (zeros for dead rows) over keys [k0, k1) -> merged (m [8], l [8], O [8, D])."""
+    """One CTA: qrows [8, D] (zeros for dead rows) over keys [k0, k1) -> merged (m [8] in log2 units, l [8],
+    O [8, D])."""
     d = ctx.d
-    smscale = np.float32(1.0 / math.sqrt(d))
-    qsc = _f32(qrows * smscale)
+    smscale = np.float32(LOG2E / math.sqrt(d))
+    qsc = _f32(qrows * smscale)  # log2 units
     q_fp = _round_to(qsc, ctx.act)  # B of S for full-precision keys
+    _, beta_k = code_affine(ctx.act, ctx.cfg.k_bits)
+    qa = _f32(q_fp * np.float32(1.0 / beta_k))  # exact: a power of two
     results = []
     for a, b in warp_ranges(k0, k1):
         warp = _Warp(d, d // ctx.gv)
         for kt in range(a, b, CHUNK):
             quant = kt < nq
             blk = int(table_row[kt // ctx.cfg.block_size]) if quant else -1
-            _warp_chunk(ctx, warp, qsc, q_fp, kt, k1, pos, live, quant, blk, h, slot, s, k_chunk, v_chunk)
+            _warp_chunk(ctx, warp, qa, q_fp, kt, k1, pos, quant, blk, h, slot, s, nq, k_chunk, v_chunk)
         results.append(warp.finish(ctx.gv))
     # merge the warps once (shared memory in the kernel)
     ms = np.stack([r[0] for r in results])  # [4, N]
     mx = ms.max(axis=0)
-    with np.errstate(invalid="ignore"):
-        f = np.where(ms == -np.inf, 0.0, np.exp(ms - mx[None])).astype(np.float32)
+    f = np.where(ms == -np.inf, 0.0, _exp2(ms - mx[None])).astype(np.float32)
     lsum = np.zeros(N, np.float32)
     o = np.zeros((d, N), np.float32)
     for w, (_, lw, ow) in enumerate(results):
@@ -394,7 +419,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_ids: torch
                     if plan.num_splits == 1:
                         out[t_, hd] = o[n] / (lsum[n] if lsum[n] > 0 else 1.0)
                     else:
-                        ml[t_, hd, split] = (m[n], lsum[n])
+                        ml[t_, hd, split] = (np.float32(m[n] * LN2), lsum[n])  # natural-log units
                         part[t_, hd, split] = o[n]
     if plan.num_splits > 1:  # kiviCombineKernel
         for b, info in enumerate(infos):
@@ -421,7 +446,7 @@ def history_stats(buffers: KiviBuffers, cfg: KiviConfig, slot: int, table_row: t
     the reference's rounding to the activation dtype (window rows as stored), and the per-key, per-channel K and V
     scales [Hkv, past, D] (0 for full-precision keys)."""
     from ..reference.kv import dequantize_keys, dequantize_values
-    _, hkv, w, d = buffers.k_window.shape
+    _, hkv, _, d = buffers.k_window.shape
     n_q = cfg.num_quantized(past)
     ks, vs, kss, vss = [], [], [], []
     if n_q:
@@ -434,11 +459,12 @@ def history_stats(buffers: KiviBuffers, cfg: KiviConfig, slot: int, table_row: t
         vs.append(dequantize_values(vc[:, :n_q], vsc[:, :n_q], vz[:, :n_q], cfg, d, torch.float32))
         kss.append(ksc[:, : n_q // cfg.group_size].float().repeat_interleave(cfg.group_size, 1))
         vss.append(vsc[:, :n_q].float().repeat_interleave(cfg.value_group_size(d), 2))
-    rows = torch.arange(n_q, past) % w
+    rows = [cfg.window_row(t) for t in list(range(min(cfg.sink_tokens, past)))
+            + list(range(cfg.sink_tokens + n_q, past))]  # sinks, then the ring (any key order: all are < past)
     ks.append(buffers.k_window[slot][:, rows].float())
     vs.append(buffers.v_window[slot][:, rows].float())
-    kss.append(torch.zeros(hkv, past - n_q, d))
-    vss.append(torch.zeros(hkv, past - n_q, d))
+    kss.append(torch.zeros(hkv, len(rows), d))
+    vss.append(torch.zeros(hkv, len(rows), d))
     return tuple(torch.cat(x, dim=1) for x in (ks, vs, kss, vss))  # type: ignore[return-value]
 
 
@@ -449,17 +475,21 @@ def attention_tolerance(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tenso
 
     q [c, H, D] at positions past..past+c-1; k_all/v_all [Hkv, past + c, D] the fp32 K/V the kernel folds (history
     unrounded, then window and chunk rows); ks_all/vs_all [Hkv, past + c, D] the per-key K/V scales (0 where full
-    precision). Per (query row n, key i), with qsc = q / sqrt(D), b = bits:
+    precision). Per (query row n, key i), with qsc = q / sqrt(D), b = bits, and |z_i| <= |k_i| + (2^b - 1) s_i:
       score error  d_i <= 2u sum|qsc k_i|          (the reference rounds dequantized K to act; the full-precision
                                                    path rounds qsc to act)
-                        + u sum|qsc| (2^b - 1) s_i   (q' = rnd(qsc s 2^b): only the code part c s survives, the
-                                                   '1' of each converted code cancels with the same rounded q')
-                        + (D/16 + D/2 + 4) e sum|qsc| s_i (2^(b+1) - 1)   (fp32 sums of the uncancelled terms)
+                        + 3u sum|qsc| 2^b s_i    (q'' = rnd(rnd(qsc) rnd(s) / beta): up to three roundings of
+                                                   the code part; the '1' of each converted code cancels with the
+                                                   same q'' in the bias MMA)
+                        + u sum|qsc| (|k_i| + 2^b s_i)   (rnd(qsc) and rnd(z) in the zero term)
+                        + (D/8 + 8) e 2^(b+1) sum|qsc| (|k_i| + 2^b s_i)   (fp32 sums of the uncancelled terms)
       softmax:     |d out| <= exp(max d) sum_i p_i (exp(d_i) - 1) (|v_i| + |out|)   (|v_i - out| bounded by the sum)
-      values:      + u sum_i p_i (2 |v_i| + (2^b - 1) vs_i)   (P'' = rnd(p vs 2^b), the reference's rounding of V
-                                                   to act, the full-precision path's rnd(p))
-                   + (keys/16 + 8) e sum_i p_i (vs_i (2^(b+1) - 1) + |v_i|)   (fp32 accumulation of O)
-      output:      + one ulp of act at |out| (each side rounds once) + 2^-20 max|v| (exp, rescaling, merges).
+      values:      + u sum_i p_i (6 |v_i| + 6 2^b vs_i) + 2u |out|   (w = rnd(p) in numerator and denominator,
+                                                   P' = rnd(w rnd(s) / beta), u = rnd(z - alpha s / beta) not
+                                                   cancelling P' exactly, the reference's rounding of V to act)
+                   + (keys/16 + 8) e sum_i p_i (vs_i 2^(b+1) + |v_i|) + (keys/16) e |out|   (fp32 accumulation of O
+                                                   and l, one rounding per MMA)
+      output:      + one ulp of act at |out| (each side rounds once) + 2^-20 max|v| (ex2.approx, rescaling, merges).
     Returns tol [c, H, D] (float32)."""
     c, nh, d = q.shape
     hkv = k_all.shape[0]
@@ -471,8 +501,9 @@ def attention_tolerance(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tenso
     aq = qsc.abs()
     lk = 2 ** cfg.k_bits
     lv = 2 ** cfg.v_bits
-    delta = (2 * u * (aq @ k.abs().transpose(1, 2)) + u * (lk - 1) * (aq @ ks.transpose(1, 2))
-             + (d / 16 + d / 2 + 4) * e * (2 * lk - 1) * (aq @ ks.transpose(1, 2)))  # [Hkv, rows, keys]
+    kz = k.abs() + lk * ks  # a bound on |z| + 2^b s, per key and channel
+    delta = (2 * u * (aq @ k.abs().transpose(1, 2)) + 3 * u * lk * (aq @ ks.transpose(1, 2))
+             + (u + (d / 8 + 8) * e * 2 * lk) * (aq @ kz.transpose(1, 2)))  # [Hkv, rows, keys]
     scores = qsc @ k.transpose(1, 2)
     n = k.shape[1]
     pos = past + torch.arange(c).repeat(grp)  # rows are (head-in-group, token)
@@ -484,7 +515,8 @@ def attention_tolerance(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tenso
     w = (p * torch.expm1(delta)).masked_fill(mask[None], 0)
     # sum_i w_i |v_i - out| <= w @ |v| + |out| sum_i w_i (no [rows, keys, D] temporary for long contexts)
     tol = torch.exp(dmax) * (w @ v.abs() + out.abs() * w.sum(dim=-1, keepdim=True))
-    tol = tol + u * (p @ (2 * v.abs() + (lv - 1) * vs)) + (n / 16 + 8) * e * (p @ (vs * (2 * lv - 1) + v.abs()))
+    tol = (tol + u * (p @ (6 * v.abs() + 6 * lv * vs)) + 2 * u * out.abs()
+           + (n / 16 + 8) * e * (p @ (vs * 2 * lv + v.abs())) + (n / 16) * e * out.abs())
     out_act = out.to(act).float()
     mant = MANTISSA[act]
     ulp = torch.exp2(torch.floor(torch.log2(out_act.abs().clamp_min(2.0 ** -14))) - mant)

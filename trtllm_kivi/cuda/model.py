@@ -7,9 +7,9 @@ It runs the same work split as the GPU code, CTA by CTA, in numpy/torch on the C
     magic-number conversion, folded scales, warps and splits, the combine);
   - append: kiviFlushKernel + kiviWindowKernel (which G-groups are flushed, from where, into which block/row/word,
     with the kernel's fp32 arithmetic: IEEE division, rint half-to-even).
-Format v2 sinks (format.py) are modelled here ahead of the kernels (whose host validation refuses sink_tokens > 0
-for now): sink rows are a full-precision key source, store index j is token S + j, a tile that straddles sinks
-and the store is loaded key by key with the same arithmetic. Rotation never reaches the op.
+Format v2 sinks (format.py), as the kernels keep them: sink rows are a full-precision key source (window rows
+[0, S)), store index j is token S + j; the attention kernel reads the store, then the sinks, then the ring and the
+chunk (mma_model). Rotation never reaches the op.
 Tested against trtllm_kivi.reference (tests/test_kernels_model.py), so a GPU run only has to confirm the
 CUDA-specific parts (indexing in registers/shared memory, synchronization).
 """

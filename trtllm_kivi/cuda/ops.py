@@ -43,7 +43,7 @@ def make_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     p.errorFlag = ptr(error_flag)
     p.attentionImpl = attention_impl
     p.ctasPerSm = ctas_per_sm
-    p.sinkTokens = cfg.sink_tokens  # the kernels' validation refuses S > 0 for now, naming it
+    p.sinkTokens = cfg.sink_tokens
     return p
 
 

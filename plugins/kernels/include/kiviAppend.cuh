@@ -18,14 +18,16 @@ namespace trtllm_kivi
 namespace kernels
 {
 
-//! Element (token t, KV head h, channel d) of the sequence's K or V: window row t % W for t < s, else chunk row.
+//! Element (token t, KV head h, channel d) of the sequence's K or V: window row windowRow(t) of the slot's S + W
+//! rows for t < s, else chunk row.
 template <typename T, int kD>
 __device__ __forceinline__ float loadHistoryOrChunk(T const* window, T const* chunk, int32_t slot, int32_t h,
-    int32_t numKvHeads, int32_t w, int64_t t, int64_t s, int32_t tokenOffset, int32_t d)
+    int32_t numKvHeads, int32_t sinks, int32_t w, int64_t t, int64_t s, int32_t tokenOffset, int32_t d)
 {
     if (t < s)
     {
-        return ActTraits<T>::toFloat(window[((int64_t(slot) * numKvHeads + h) * w + t % w) * kD + d]);
+        int64_t const row = windowRowDev(t, sinks, w);
+        return ActTraits<T>::toFloat(window[((int64_t(slot) * numKvHeads + h) * (sinks + w) + row) * kD + d]);
     }
     return ActTraits<T>::toFloat(chunk[((tokenOffset + (t - s)) * int64_t(numKvHeads) + h) * kD + d]);
 }
@@ -70,8 +72,9 @@ __global__ void __launch_bounds__(128) kiviFlushKernel(KiviStepParams p, SeqInfo
     int64_t const s = p.pastLen[b];
     int64_t const e = s + p.chunkLen[b];
     int32_t const g = p.groupSize;
-    int64_t const q0 = numQuantizedDev(s, p.residualLength, g);
-    int64_t const q1 = numQuantizedDev(e, p.residualLength, g);
+    int32_t const sinks = p.sinkTokens;
+    int64_t const q0 = numQuantizedDev(s, sinks, p.residualLength, g); // store indices; token = S + index
+    int64_t const q1 = numQuantizedDev(e, sinks, p.residualLength, g);
     int32_t const slot = p.slotIds[b];
     int32_t const w = p.residualLength + g - 1;
     int32_t const hkv = p.numKvHeads;
@@ -102,7 +105,8 @@ __global__ void __launch_bounds__(128) kiviFlushKernel(KiviStepParams p, SeqInfo
             float mx = -INFINITY;
             for (int32_t i = 0; i < g; ++i)
             {
-                float const x = loadHistoryOrChunk<T, kD>(kWin, kIn, slot, h, hkv, w, t0 + i, s, info.tokenOffset, d);
+                float const x = loadHistoryOrChunk<T, kD>(
+                    kWin, kIn, slot, h, hkv, sinks, w, sinks + t0 + i, s, info.tokenOffset, d);
                 mn = nanMin(mn, x);
                 mx = nanMax(mx, x);
             }
@@ -119,8 +123,8 @@ __global__ void __launch_bounds__(128) kiviFlushKernel(KiviStepParams p, SeqInfo
             float mx = -INFINITY;
             for (int32_t c = 0; c < gv; ++c)
             {
-                float const x
-                    = loadHistoryOrChunk<T, kD>(vWin, vIn, slot, h, hkv, w, t0 + i, s, info.tokenOffset, cg * gv + c);
+                float const x = loadHistoryOrChunk<T, kD>(
+                    vWin, vIn, slot, h, hkv, sinks, w, sinks + t0 + i, s, info.tokenOffset, cg * gv + c);
                 mn = nanMin(mn, x);
                 mx = nanMax(mx, x);
             }
@@ -157,14 +161,14 @@ __global__ void __launch_bounds__(128) kiviFlushKernel(KiviStepParams p, SeqInfo
                     if (values)
                     {
                         float const x = loadHistoryOrChunk<T, kD>(
-                            vWin, vIn, slot, h, hkv, w, t0 + i, s, info.tokenOffset, ch);
+                            vWin, vIn, slot, h, hkv, sinks, w, sinks + t0 + i, s, info.tokenOffset, ch);
                         int32_t const si = i * groupsPerToken + ch / gv;
                         code = quantizeCode(x, vScaleS[si], vZeroS[si], vLevels);
                     }
                     else
                     {
                         float const x = loadHistoryOrChunk<T, kD>(
-                            kWin, kIn, slot, h, hkv, w, t0 + i, s, info.tokenOffset, ch);
+                            kWin, kIn, slot, h, hkv, sinks, w, sinks + t0 + i, s, info.tokenOffset, ch);
                         code = quantizeCode(x, kScaleS[ch], kZeroS[ch], kLevels);
                     }
                     word |= code << (16 * half + pos * bits);
@@ -177,7 +181,8 @@ __global__ void __launch_bounds__(128) kiviFlushKernel(KiviStepParams p, SeqInfo
     }
 }
 
-//! Window rows of tokens [max(s, e - W), e) at row t % W, 16-byte vectors. Grid (batch, Hkv).
+//! Window rows of the chunk's sink tokens [s, min(S, e)) and of its tokens [max(s, S, e - W), e) (the ring's last
+//! W) at windowRow(t) of the slot's S + W rows, 16-byte vectors. Grid (batch, Hkv).
 template <typename T, int kD>
 __global__ void __launch_bounds__(128) kiviWindowKernel(KiviStepParams p, SeqInfo const* seqInfo)
 {
@@ -191,17 +196,22 @@ __global__ void __launch_bounds__(128) kiviWindowKernel(KiviStepParams p, SeqInf
     int64_t const s = p.pastLen[b];
     int64_t const e = s + p.chunkLen[b];
     int32_t const w = p.residualLength + p.groupSize - 1;
-    int64_t const first = e - w > s ? e - w : s;
+    int32_t const sinks = p.sinkTokens;
+    int64_t const sinkEnd = e < sinks ? e : sinks;               // sinks of this chunk: [s, sinkEnd)
+    int64_t const nSinks = sinkEnd > s ? sinkEnd - s : 0;
+    int64_t first = e - w > s ? e - w : s;                       // the ring: [max(s, S, e - W), e)
+    first = first > sinks ? first : (e > sinks ? int64_t(sinks) : e);
     int32_t const slot = p.slotIds[b];
     constexpr int32_t kVEC = 16 / sizeof(T);
     constexpr int32_t kVECS = kD / kVEC;
-    int64_t const n = (e - first) * kVECS;
+    int64_t const n = (nSinks + (e - first)) * kVECS;
     for (int64_t u = threadIdx.x; u < n; u += blockDim.x)
     {
-        int64_t const t = first + u / kVECS;
+        int64_t const i = u / kVECS;
+        int64_t const t = i < nSinks ? s + i : first + (i - nSinks);
         int32_t const c = static_cast<int32_t>(u % kVECS);
         int64_t const src = ((info.tokenOffset + (t - s)) * p.numKvHeads + h) * kVECS + c;
-        int64_t const dst = ((int64_t(slot) * p.numKvHeads + h) * w + t % w) * kVECS + c;
+        int64_t const dst = ((int64_t(slot) * p.numKvHeads + h) * (sinks + w) + windowRowDev(t, sinks, w)) * kVECS + c;
         static_cast<uint4*>(p.kWindow)[dst] = static_cast<uint4 const*>(p.k)[src];
         static_cast<uint4*>(p.vWindow)[dst] = static_cast<uint4 const*>(p.v)[src];
     }

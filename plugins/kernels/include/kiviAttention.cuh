@@ -254,7 +254,7 @@ __device__ __forceinline__ TileWork resolveTile(KiviStepParams const& p, KiviLau
         return wk; // no row of this tile reads this split; the combine never reads it either
     }
     wk.k1 = min(wk.k0 + wk.info.splitLen, keyEnd);
-    wk.nq = numQuantizedDev(wk.s, p.residualLength, p.groupSize);
+    wk.nq = numQuantizedDev(wk.s, 0, p.residualLength, p.groupSize); // legacy layout: no sinks (never launched)
     wk.slot = p.slotIds[wk.b];
     wk.run = true;
     return wk;

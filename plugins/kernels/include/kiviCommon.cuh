@@ -164,9 +164,18 @@ __host__ __device__ constexpr int32_t valueGroupSizeDev(int32_t groupSize, int32
     return groupSize < headDim ? groupSize : headDim;
 }
 
-__device__ __forceinline__ int64_t numQuantizedDev(int64_t seqLen, int32_t residualLength, int32_t groupSize)
+//! n_q(T) = max(0, floor((T - S - R) / G)) * G: tokens in the quantized store (tokens [S, S + n_q)), format.py.
+__device__ __forceinline__ int64_t numQuantizedDev(
+    int64_t seqLen, int32_t sinkTokens, int32_t residualLength, int32_t groupSize)
 {
-    return seqLen < residualLength ? 0 : (seqLen - residualLength) / groupSize * groupSize;
+    int64_t const free = seqLen - sinkTokens - residualLength;
+    return free < 0 ? 0 : free / groupSize * groupSize;
+}
+
+//! Window row of token t: t for a sink (t < S), else S + (t - S) % W (format.py window_row).
+__device__ __forceinline__ int64_t windowRowDev(int64_t t, int32_t sinkTokens, int32_t w)
+{
+    return t < sinkTokens ? t : sinkTokens + (t - sinkTokens) % w;
 }
 
 __device__ __forceinline__ float warpMax(float x)

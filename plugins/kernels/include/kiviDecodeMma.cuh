@@ -6,29 +6,32 @@
  *   grid (numTiles, Hkv, numSplits), 128 threads = 4 warps. A CTA owns one tile = 8 query rows of one sequence's
  *   chunk (row r = token r / groupHeads, query head r % groupHeads of KV head blockIdx.y) and one split of the keys.
  *   mma.sync.m16n8k16 with fp32 accumulation, the KV tile as A and the 8 query rows as N:
- *     S^T (16 keys x 8 rows)  = K (16 keys x 16 channels) . q'^T            D/16 MMAs per 16 keys
- *     O^T (16 channels x 8)  += V^T (16 channels x 16 keys) . P''^T        D/16 MMAs per 16 keys
+ *     S^T (16 keys x 8 rows)  = K (16 keys x 16 channels) . q''^T           D/16 MMAs per 16 keys
+ *     O^T (16 channels x 8)  += V^T (16 channels x 16 keys) . P'^T          D/16 MMAs per 16 keys
  *   so each dequantized code serves every query head of its KV head.
  *   Codes come in FRAGMENT order (trtllm_kivi/format.py): a lane's words hold exactly its A registers. One shift +
  *   one lop3 per register puts the b-bit code in the top mantissa bits of 1.0 (fp16 0x3C00, bf16 0x3F80): the
- *   register is the exact pair 1 + c 2^-b (bf16 with 8-bit codes, 7 mantissa bits: through fp32, exactly c).
- *   Scales are folded, per group, never applied per code:
- *     K (per channel over G tokens): q' = rnd(qsc * s_k * 2^b), score bias = sum_ch (qsc * z_k - q') per row,
- *       qsc = q / sqrt(D); the '1' of every register times q' cancels against the same rounded q';
- *     V (per token over Gv channels): P'' = rnd(p * s_v * 2^b) per channel group, and the bias
- *       sum_keys (z_v * p - P'') per (group, row) accumulated per lane, reduced once at the end.
- *   Keeping the code in the top mantissa bits (not 1024 + c with 0x6400) keeps the cancelled term within 2^b of
- *   the signal, so the fp32 accumulation over a whole split stays accurate (see mma_model.attention_tolerance).
+ *   register is the exact pair alpha + beta c, alpha = 1, beta = 2^-b (bf16 with 8-bit codes, 7 mantissa bits:
+ *   through fp32, alpha = 0, beta = 1).
+ *   Scores are in log2 units (qsc = q log2(e) / sqrt(D)) so the softmax is one ex2 per score. Scales are folded per
+ *   group, never applied per code, and every fold is a packed 16-bit multiply or an MMA (T = the activation type):
+ *     K (per channel over G tokens): qa = rnd_T(qsc) / beta once per CTA (in shared memory), q'' = rnd_T(qa s_k) per
+ *       group, and the score bias  beta sum_ch (qa z_k - alpha/beta q'')  by m16n8k8 MMAs over the lane's existing
+ *       register pairs (foldKeyGroup); it seeds the score MMA's accumulator;
+ *     V (per token over Gv channels): w = rnd_T(p) (the B fragment of P^T), P' = rnd_T((w / beta) s_v) per channel
+ *       group, and ONE MMA per 16 keys of [u ; 1] w^T with u = rnd_T(z_v - alpha s_v / beta): each group's V bias
+ *       and l = sum of w (ValueScaleTile::biasOperand).
+ *   Sinks (FORMAT_VERSION 2): keys run in the order store (token S + j), sink rows, ring, chunk; softmax does not
+ *   depend on the order and only the chunk's keys are causally masked (fullPrecisionRow).
  *   P moves from the C fragment of S to the B fragment of P^T with two movmatrix.trans per 16 keys (no shared
  *   memory). Only packed codes and scales pass through shared memory: each warp owns kSTAGES = 3 stages of
  *   32-key chunks filled by cp.async (no CTA barrier in the key loop); accumulators stay in registers. The 4 warps
- *   take contiguous chunk ranges of the split, each with its own online softmax, merged once at the end through
- *   shared memory. Full-precision keys (window rows t % W, then the chunk) are a second segment read straight from
- *   global memory (a few hundred keys at most per decode step); a sink-token segment (issue 9) would be a third
- *   source in loadFullPrecisionChunk.
- *   numSplits == 1: the CTA writes out = O / l. Otherwise (m, l, O) go to the workspace and kiviCombineKernel
- *   (kiviAttention.cuh) merges the splits with their log-sum-exp weights. The launcher refuses devices below sm_80
- *   (kiviCheckArch) by name.
+ *   take contiguous chunk ranges of the split, each with its own online softmax (rescaling only when a row maximum
+ *   grows), merged once at the end through shared memory. Full-precision keys (window rows t % W, then the chunk)
+ *   are a second segment read straight from global memory (a few hundred keys at most per decode step).
+ *   numSplits == 1: the CTA writes out = O / l. Otherwise (m, l, O) go to the workspace (m in natural-log units) and
+ *   kiviCombineKernel (kiviAttention.cuh) merges the splits with their log-sum-exp weights. The launcher refuses
+ *   devices below sm_80 (kiviCheckArch) by name.
  */
 #pragma once
 
@@ -46,6 +49,8 @@ constexpr int32_t kMMA_THREADS = 128;
 constexpr int32_t kMMA_WARPS = 4;
 constexpr int32_t kMMA_CHUNK = 32; //!< keys per warp iteration: two 16-key MMA tiles
 constexpr int32_t kMMA_STAGES = 3;
+constexpr float kLOG2E = 1.4426950408889634F;
+constexpr float kLN2 = 0.6931471805599453F;
 //! Register budget: 65536 / (128 x 3) = 170 per thread, 0 spills; 3 CTAs x 4 warps x 3 stages of ~3 KB keep
 //! ~100 KB of KIVI bytes in flight per SM, more than the H200's bandwidth-latency product per SM (~40 KB). With an
 //! 8-bit operand a stage is 2-3x larger, shared memory allows 2 CTAs per SM anyway, and bf16's fp32 conversion of
@@ -83,15 +88,16 @@ __host__ __device__ inline int32_t mmaSmemBytes(int32_t scaleBytes, int32_t grou
     return stages > merge ? stages : merge;
 }
 
-//! The MMA element type of an activation type and its 1.0 bit pattern (format.py: fragment conversion).
+//! The MMA element type of an activation type: its 1.0 bit pattern and the packed 16-bit arithmetic the folds use.
 template <typename T>
 struct MmaTraits;
 
 template <>
 struct MmaTraits<half>
 {
-    static constexpr uint32_t kONE2 = kONE_FP16 * 0x00010001U;
+    static constexpr uint32_t kONE = kONE_FP16;
     static constexpr int32_t kMANTISSA = 10;
+    static constexpr int32_t kBIAS = 15;
 
     static __device__ __forceinline__ uint32_t pack(float lo, float hi)
     {
@@ -103,13 +109,27 @@ struct MmaTraits<half>
     {
         return __half22float2(*reinterpret_cast<__half2 const*>(&x));
     }
+
+    static __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b)
+    {
+        __half2 const r = __hmul2(*reinterpret_cast<__half2 const*>(&a), *reinterpret_cast<__half2 const*>(&b));
+        return *reinterpret_cast<uint32_t const*>(&r);
+    }
+
+    static __device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c)
+    {
+        __half2 const r = __hfma2(*reinterpret_cast<__half2 const*>(&a), *reinterpret_cast<__half2 const*>(&b),
+            *reinterpret_cast<__half2 const*>(&c));
+        return *reinterpret_cast<uint32_t const*>(&r);
+    }
 };
 
 template <>
 struct MmaTraits<__nv_bfloat16>
 {
-    static constexpr uint32_t kONE2 = kONE_BF16 * 0x00010001U;
+    static constexpr uint32_t kONE = kONE_BF16;
     static constexpr int32_t kMANTISSA = 7;
+    static constexpr int32_t kBIAS = 127;
 
     static __device__ __forceinline__ uint32_t pack(float lo, float hi)
     {
@@ -121,21 +141,58 @@ struct MmaTraits<__nv_bfloat16>
     {
         return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&x));
     }
+
+    static __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b)
+    {
+        __nv_bfloat162 const r = __hmul2(
+            *reinterpret_cast<__nv_bfloat162 const*>(&a), *reinterpret_cast<__nv_bfloat162 const*>(&b));
+        return *reinterpret_cast<uint32_t const*>(&r);
+    }
+
+    static __device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c)
+    {
+        __nv_bfloat162 const r = __hfma2(*reinterpret_cast<__nv_bfloat162 const*>(&a),
+            *reinterpret_cast<__nv_bfloat162 const*>(&b), *reinterpret_cast<__nv_bfloat162 const*>(&c));
+        return *reinterpret_cast<uint32_t const*>(&r);
+    }
 };
 
-//! alpha of a converted register element alpha + c * 2^-b (0 for bf16 with 8-bit codes, converted through fp32).
+//! The bit pattern of the packed pair (x, x) of type T for x = sign * 2^e (exact: a power of two).
+template <typename T>
+__host__ __device__ constexpr uint32_t pow2Pair(bool negative, int32_t e)
+{
+    uint32_t const h = (negative ? 0x8000U : 0U)
+        | (static_cast<uint32_t>(MmaTraits<T>::kBIAS + e) << MmaTraits<T>::kMANTISSA);
+    return h * 0x00010001U;
+}
+
+//! A converted register element is alpha + beta * c exactly (beta = 2^-b; bf16 with 8-bit codes: through fp32,
+//! alpha = 0, beta = 1). The folds need beta^-1 and -alpha / beta as packed powers of two.
 template <typename T, int kBITS>
 struct CodeAffine
 {
     static constexpr bool kVIA_FP32 = MmaTraits<T>::kMANTISSA < kBITS;
     static constexpr float kALPHA = kVIA_FP32 ? 0.F : 1.F;
-    static constexpr float kINV_BETA = kVIA_FP32 ? 1.F : float(1 << kBITS); //!< folded into q' and P''
+    static constexpr int32_t kLOG2_INV_BETA = kVIA_FP32 ? 0 : kBITS;
+    static constexpr uint32_t kINV_BETA2 = pow2Pair<T>(false, kLOG2_INV_BETA);     //!< (1/beta, 1/beta)
+    static constexpr uint32_t kNEG_ALPHA_INV_BETA2 = pow2Pair<T>(true, kLOG2_INV_BETA); //!< -alpha/beta (alpha = 1)
 };
 
+//! (a & b) | c in one LOP3: written in PTX because nvcc splits the C++ form into two LOP3s when both b and c are
+//! immediates (each LOP3 takes one).
+template <uint32_t kB>
+__device__ __forceinline__ uint32_t lop3AndOr(uint32_t a, uint32_t c)
+{
+    uint32_t d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "n"(kB), "r"(c));
+    return d;
+}
+
 //! The A register of bit position `pos` of a FRAGMENT-order word: one shift + one lop3 (mma_model.convert_register).
-//! Called from fully unrolled loops, so `pos` and the shift are compile-time constants after unrolling.
+//! Called from fully unrolled loops, so `pos` and the shift are compile-time constants after unrolling; `one2` is
+//! the packed 1.0 pair held in a register.
 template <typename T, int kBITS>
-__device__ __forceinline__ uint32_t convertRegister(uint32_t w, int32_t pos)
+__device__ __forceinline__ uint32_t convertRegister(uint32_t w, int32_t pos, uint32_t one2)
 {
     if constexpr (CodeAffine<T, kBITS>::kVIA_FP32)
     {
@@ -143,10 +200,24 @@ __device__ __forceinline__ uint32_t convertRegister(uint32_t w, int32_t pos)
     }
     else
     {
-        constexpr uint32_t kMASK = ((1U << kBITS) - 1U) << (MmaTraits<T>::kMANTISSA - kBITS);
+        constexpr uint32_t kMASK = (((1U << kBITS) - 1U) << (MmaTraits<T>::kMANTISSA - kBITS)) * 0x00010001U;
         int32_t const shift = (MmaTraits<T>::kMANTISSA - kBITS) - pos * kBITS;
         uint32_t const x = shift >= 0 ? (w << shift) : (w >> -shift);
-        return (x & (kMASK * 0x00010001U)) | MmaTraits<T>::kONE2; // LOP3 (a & b) | c
+        return lop3AndOr<kMASK>(x, one2);
+    }
+}
+
+//! The 4 A registers of 16-wide block `kb` of a tile from the lane's words (register pi = 4 kb + r is word
+//! pi / (16 / b), bit position pi % (16 / b): format.py's fragment order).
+template <typename T, int kBITS, int kNW>
+__device__ __forceinline__ void convertBlock(uint32_t const (&w)[kNW], int32_t kb, uint32_t one2, uint32_t (&a)[4])
+{
+    constexpr int32_t kPER = 16 / kBITS;
+#pragma unroll
+    for (int32_t r = 0; r < 4; ++r)
+    {
+        int32_t const pi = 4 * kb + r;
+        a[r] = convertRegister<T, kBITS>(w[pi / kPER], pi % kPER, one2);
     }
 }
 
@@ -175,6 +246,28 @@ __device__ __forceinline__ void mma16816(float (&c)[4], uint32_t const (&a)[4], 
 #endif
 }
 
+//! mma.sync m16n8k8: A = 2 registers (rows g, g + 8; k 2t, 2t + 1), B = 1 register (k 2t, 2t + 1; column g).
+template <typename T>
+__device__ __forceinline__ void mma1688(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if constexpr (std::is_same<T, half>::value)
+    {
+        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a0), "r"(a1), "r"(b0));
+    }
+    else
+    {
+        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a0), "r"(a1), "r"(b0));
+    }
+#else
+    __trap(); // the launcher refuses devices below sm_80
+#endif
+}
+
 //! movmatrix.m8n8.trans.b16: the C fragment of an 8x8 b16 matrix -> the same fragment of its transpose.
 __device__ __forceinline__ uint32_t movTrans(uint32_t x)
 {
@@ -182,6 +275,14 @@ __device__ __forceinline__ uint32_t movTrans(uint32_t x)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
 #endif
+    return y;
+}
+
+//! 2^x (ex2.approx.ftz: relative error < 2^-22, ex2(-inf) = 0); scores are in log2 units.
+__device__ __forceinline__ float fastExp2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
 
@@ -208,19 +309,76 @@ __device__ __forceinline__ void cpAsyncWait()
 #endif
 }
 
-//! A warp copies `bytes` (a multiple of 16) from global to shared memory with cp.async.
-__device__ __forceinline__ void warpCopy(char* dst, char const* src, int32_t bytes, int32_t lane)
+//! A warp copies kBYTES (a compile-time multiple of 16) from global to shared memory with cp.async.
+template <int kBYTES>
+__device__ __forceinline__ void warpCopyFixed(char* dst, char const* src, int32_t lane)
 {
-    for (int32_t o = lane * 16; o < bytes; o += 32 * 16)
+#pragma unroll
+    for (int32_t o = 0; o < kBYTES; o += 32 * 16)
     {
-        cpAsync16(dst + o, src + o);
+        if (kBYTES % (32 * 16) == 0 || o + lane * 16 < kBYTES)
+        {
+            cpAsync16(dst + o + lane * 16, src + o + lane * 16);
+        }
     }
 }
 
-//! Scale/zero element i of a staged array of run-time dtype.
-__device__ __forceinline__ float stagedScale(char const* base, int32_t i, int32_t dtype)
+//! A warp copies `bytes` (a multiple of 16, at most 1024) from global to shared memory with cp.async.
+__device__ __forceinline__ void warpCopySmall(char* dst, char const* src, int32_t bytes, int32_t lane)
 {
-    return loadScale(base, i, dtype);
+#pragma unroll
+    for (int32_t o = 0; o < 1024; o += 32 * 16)
+    {
+        if (o + lane * 16 < bytes)
+        {
+            cpAsync16(dst + o + lane * 16, src + o + lane * 16);
+        }
+    }
+}
+
+//! Staged scale/zero storage S (the run-time scale dtype, dispatched once per CTA) read as the MMA type T.
+template <typename S>
+__device__ __forceinline__ float scaleToFloat(S x)
+{
+    if constexpr (std::is_same<S, float>::value)
+    {
+        return x;
+    }
+    else
+    {
+        return ActTraits<S>::toFloat(x);
+    }
+}
+
+//! Elements i, i + 1 (i even) of a staged S array as a T pair: one 32-bit load when S == T (exact), else rounded.
+template <typename S, typename T>
+__device__ __forceinline__ uint32_t stagedPair(char const* base, int32_t i)
+{
+    if constexpr (std::is_same<S, T>::value)
+    {
+        return *reinterpret_cast<uint32_t const*>(base + i * 2);
+    }
+    else
+    {
+        S const* s = reinterpret_cast<S const*>(base);
+        return MmaTraits<T>::pack(scaleToFloat(s[i]), scaleToFloat(s[i + 1]));
+    }
+}
+
+//! Elements i0, i1 (anywhere) of a staged S array as a T pair.
+template <typename S, typename T>
+__device__ __forceinline__ uint32_t stagedPair2(char const* base, int32_t i0, int32_t i1)
+{
+    if constexpr (std::is_same<S, T>::value)
+    {
+        uint16_t const* s = reinterpret_cast<uint16_t const*>(base);
+        return uint32_t(s[i0]) | (uint32_t(s[i1]) << 16);
+    }
+    else
+    {
+        S const* s = reinterpret_cast<S const*>(base);
+        return MmaTraits<T>::pack(scaleToFloat(s[i0]), scaleToFloat(s[i1]));
+    }
 }
 
 //! What a CTA works on (resolveMmaTile); run == false: nothing to do (rows of invalid sequences already zeroed).
@@ -283,111 +441,16 @@ __device__ __forceinline__ MmaWork resolveMmaTile(KiviStepParams const& p, KiviL
         return wk;
     }
     wk.k1 = min(wk.k0 + wk.info.splitLen, keyEnd);
-    wk.nq = static_cast<int32_t>(numQuantizedDev(wk.s, p.residualLength, p.groupSize));
+    wk.nq = static_cast<int32_t>(numQuantizedDev(wk.s, p.sinkTokens, p.residualLength, p.groupSize));
     wk.slot = p.slotIds[wk.b];
     wk.run = true;
     return wk;
 }
 
-//! Issue the cp.async copies of quantized chunk kt (block row r of block blk) into stage `st`; one commit group.
-template <int kD, int kKB, int kVB>
-__device__ __forceinline__ void issueChunk(KiviStepParams const& p, char* st, int64_t blk, int32_t h, int32_t r,
-    int32_t scaleBytes, int32_t gv, int32_t lane)
-{
-    using Geo = MmaChunkGeometry<kD, kKB, kVB>;
-    int64_t const headBase = blk * p.numKvHeads + h;
-    int32_t const bs = p.blockSize;
-    char const* kw = static_cast<char const*>(p.kCodes)
-        + (headBase * (int64_t(bs) * kD * kKB / 32) + int64_t(r / 16) * 32 * Geo::kNWK) * 4;
-    char const* vw = static_cast<char const*>(p.vCodes)
-        + (headBase * (int64_t(bs) * kD * kVB / 32) + int64_t(r / 16) * 32 * Geo::kNWV) * 4;
-    int64_t const kIdx = (headBase * (bs / p.groupSize) + r / p.groupSize) * kD;
-    int32_t const vGroups = kD / gv;
-    int64_t const vIdx = (headBase * bs + r) * vGroups;
-    char* dst = st;
-    warpCopy(dst, kw, Geo::kKWORDS * 4, lane);
-    dst += Geo::kKWORDS * 4;
-    warpCopy(dst, vw, Geo::kVWORDS * 4, lane);
-    dst += Geo::kVWORDS * 4;
-    warpCopy(dst, static_cast<char const*>(p.kScale) + kIdx * scaleBytes, kD * scaleBytes, lane);
-    dst += kD * scaleBytes;
-    warpCopy(dst, static_cast<char const*>(p.kZero) + kIdx * scaleBytes, kD * scaleBytes, lane);
-    dst += kD * scaleBytes;
-    warpCopy(dst, static_cast<char const*>(p.vScale) + vIdx * scaleBytes, kMMA_CHUNK * vGroups * scaleBytes, lane);
-    dst += kMMA_CHUNK * vGroups * scaleBytes;
-    warpCopy(dst, static_cast<char const*>(p.vZero) + vIdx * scaleBytes, kMMA_CHUNK * vGroups * scaleBytes, lane);
-}
-
-//! One warp's running state (lane = (g, t): score columns / O^T columns = rows 2t, 2t + 1 of the CTA).
-template <int kD>
-struct MmaWarpState
-{
-    static constexpr int32_t kMT = kD / 16;
-    float o[kMT][4];    //!< O^T C fragments: channel 16 mt + g (+8), rows 2t, 2t + 1
-    float m[2];         //!< running max of rows 2t, 2t + 1
-    float l[2];         //!< this lane's partial sums of p (keys g, g + 8 of every tile)
-    float vb[kD / 32 > 0 ? kD / 32 : 1][2]; //!< V bias partials per channel group (at most D / 32 groups)
-};
-
-//! Online-softmax update of one 32-key chunk's scores sc[tile][reg] -> probabilities (in place), rescaling.
-template <int kD, int kVG>
-__device__ __forceinline__ void softmaxUpdate(MmaWarpState<kD>& st, float (&sc)[2][4])
-{
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int32_t tau = 0; tau < 2; ++tau)
-    {
-#pragma unroll
-        for (int32_t r = 0; r < 4; ++r)
-        {
-            mx[r & 1] = fmaxf(mx[r & 1], sc[tau][r]);
-        }
-    }
-#pragma unroll
-    for (int32_t j = 0; j < 2; ++j)
-    {
-#pragma unroll
-        for (int32_t o = 4; o < 32; o <<= 1)
-        {
-            mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffU, mx[j], o));
-        }
-        float const mNew = fmaxf(st.m[j], mx[j]);
-        float const alpha = mNew == -INFINITY ? 1.F : expf(st.m[j] - mNew);
-        st.m[j] = mNew;
-        mx[j] = mNew;
-        st.l[j] *= alpha;
-#pragma unroll
-        for (int32_t mt = 0; mt < MmaWarpState<kD>::kMT; ++mt)
-        {
-            st.o[mt][j] *= alpha;
-            st.o[mt][j + 2] *= alpha;
-        }
-#pragma unroll
-        for (int32_t vg = 0; vg < kVG; ++vg)
-        {
-            st.vb[vg][j] *= alpha;
-        }
-    }
-#pragma unroll
-    for (int32_t tau = 0; tau < 2; ++tau)
-    {
-#pragma unroll
-        for (int32_t r = 0; r < 4; ++r)
-        {
-            float const mNew = mx[r & 1];
-            sc[tau][r] = mNew == -INFINITY ? 0.F : expf(sc[tau][r] - mNew);
-        }
-#pragma unroll
-        for (int32_t half = 0; half < 2; ++half) // lane g: key g, then key g + 8 (mma_model order)
-        {
-            st.l[0] += sc[tau][2 * half];
-            st.l[1] += sc[tau][2 * half + 1];
-        }
-    }
-}
-
-//! Row of full-precision key `key` of the tile's sequence (window row key % W for key < s, else the chunk), or
-//! nullptr past k1 (those keys are masked; reading zeros keeps NaN/Inf garbage out of 0 * x).
+//! Row of full-precision key `key` of the tile's sequence, or nullptr past k1 (those keys are masked; reading zeros
+//! keeps NaN/Inf garbage out of 0 * x). Keys in kernel order: [0, n_q) the store (token S + key), [n_q, n_q + S) the
+//! sink tokens (window rows key - n_q), [n_q + S, s) the ring (token = key, window row S + (key - S) % W), then the
+//! chunk. Attention is the same in any key order; only the chunk's keys are causally masked, and they keep theirs.
 template <typename T, int kD>
 __device__ __forceinline__ T const* fullPrecisionRow(KiviStepParams const& p, MmaWork const& wk, bool values,
     int32_t key)
@@ -396,23 +459,44 @@ __device__ __forceinline__ T const* fullPrecisionRow(KiviStepParams const& p, Mm
     {
         return nullptr;
     }
-    // Sink-token hook (issue 9, FORMAT_VERSION 2): keys [0, S) would be a second full-precision segment read here
-    // from a sink buffer, with the quantized segment starting at S (cq below counts chunks from there).
     if (key < wk.s)
     {
         int32_t const w = p.residualLength + p.groupSize - 1;
+        int32_t const sinks = p.sinkTokens;
+        int32_t const row = key < wk.nq + sinks ? key - wk.nq : sinks + (key - sinks) % w;
         T const* win = static_cast<T const*>(values ? p.vWindow : p.kWindow);
-        return win + ((int64_t(wk.slot) * p.numKvHeads + wk.h) * w + key % w) * kD;
+        return win + ((int64_t(wk.slot) * p.numKvHeads + wk.h) * (sinks + w) + row) * kD;
     }
     T const* chunk = static_cast<T const*>(values ? p.v : p.k);
     return chunk + ((wk.info.tokenOffset + (key - wk.s)) * int64_t(p.numKvHeads) + wk.h) * kD;
 }
 
-//! Scores of a full-precision 32-key chunk: A = K rows as stored, B = rnd(qsc) (no scale, no bias).
-template <typename T, int kD>
-__device__ __forceinline__ void loadFullPrecisionScores(KiviStepParams const& p, MmaWork const& wk,
-    float const (*qS)[kD + 8], int32_t kt, int32_t g, int32_t t, float (&sc)[2][4])
+//! The lane's B fragments of q, qa = rnd(qsc) / beta (row g, channels 16 kb + 8 reg + 2t + {0, 1}), from shared
+//! memory ([kb / 2][lane] uint4s: conflict-free) into registers live only where they are used: registers are the
+//! key loop's scarcest resource.
+template <int kD>
+__device__ __forceinline__ void loadQa(uint4 const* qaS, int32_t lane, uint32_t (&qa)[kD / 16][2])
 {
+#pragma unroll
+    for (int32_t i = 0; i < kD / 32; ++i)
+    {
+        uint4 const x = qaS[i * 32 + lane];
+        qa[2 * i][0] = x.x;
+        qa[2 * i][1] = x.y;
+        qa[2 * i + 1][0] = x.z;
+        qa[2 * i + 1][1] = x.w;
+    }
+}
+
+//! Scores of a full-precision 32-key chunk: A = K rows as stored, B = rnd(qsc) = qa * beta (exact; no scale, no bias).
+template <typename T, int kD, int kKB>
+__device__ __forceinline__ void loadFullPrecisionScores(KiviStepParams const& p, MmaWork const& wk,
+    uint4 const* qaS, int32_t ci, int32_t g, int32_t t, float (&sc)[2][4])
+{
+    uint32_t qa[kD / 16][2];
+    loadQa<kD>(qaS, 4 * g + t, qa);
+    int32_t const kt = wk.k0 + ci * kMMA_CHUNK;
+    constexpr uint32_t kBETA2 = pow2Pair<T>(false, -CodeAffine<T, kKB>::kLOG2_INV_BETA);
 #pragma unroll
     for (int32_t tau = 0; tau < 2; ++tau)
     {
@@ -428,9 +512,7 @@ __device__ __forceinline__ void loadFullPrecisionScores(KiviStepParams const& p,
             a[1] = row1 ? *reinterpret_cast<uint32_t const*>(row1 + ch) : 0U;
             a[2] = row0 ? *reinterpret_cast<uint32_t const*>(row0 + ch + 8) : 0U;
             a[3] = row1 ? *reinterpret_cast<uint32_t const*>(row1 + ch + 8) : 0U;
-            uint32_t const b0 = MmaTraits<T>::pack(qS[g][ch], qS[g][ch + 1]);
-            uint32_t const b1 = MmaTraits<T>::pack(qS[g][ch + 8], qS[g][ch + 9]);
-            mma16816<T>(c, a, b0, b1);
+            mma16816<T>(c, a, MmaTraits<T>::mul2(qa[kb][0], kBETA2), MmaTraits<T>::mul2(qa[kb][1], kBETA2));
         }
 #pragma unroll
         for (int32_t r = 0; r < 4; ++r)
@@ -440,105 +522,456 @@ __device__ __forceinline__ void loadFullPrecisionScores(KiviStepParams const& p,
     }
 }
 
-//! O^T += V^T rnd(P)^T for a full-precision chunk: A registers are pairs of V rows (keys 2t, 2t + 1) of a channel.
-template <typename T, int kD, typename State>
+//! O^T += V^T w^T for a full-precision 16-key tile: A registers are pairs of V rows (keys 2t, 2t + 1) of a channel.
+template <typename T, int kD>
 __device__ __forceinline__ void accumulateFullPrecisionValues(KiviStepParams const& p, MmaWork const& wk,
-    int32_t kt, int32_t g, int32_t t, float const (&pr)[2][4], State& st)
+    int32_t ci, int32_t tau, int32_t g, int32_t t, uint32_t b0, uint32_t b1, float (&o)[kD / 16][4])
 {
+    int32_t const key0 = wk.k0 + ci * kMMA_CHUNK + 16 * tau;
+    T const* rows[4];
 #pragma unroll
-    for (int32_t tau = 0; tau < 2; ++tau)
+    for (int32_t i = 0; i < 4; ++i) // keys 2t, 2t + 1, 2t + 8, 2t + 9 of the tile
     {
-        uint32_t const b0 = movTrans(MmaTraits<T>::pack(pr[tau][0], pr[tau][1]));
-        uint32_t const b1 = movTrans(MmaTraits<T>::pack(pr[tau][2], pr[tau][3]));
-        T const* rows[4];
+        rows[i] = fullPrecisionRow<T, kD>(p, wk, true, key0 + 2 * t + (i & 1) + 8 * (i >> 1));
+    }
 #pragma unroll
-        for (int32_t i = 0; i < 4; ++i) // keys 2t, 2t + 1, 2t + 8, 2t + 9 of the tile
+    for (int32_t mt = 0; mt < kD / 16; ++mt)
+    {
+        uint32_t a[4];
+#pragma unroll
+        for (int32_t r = 0; r < 4; ++r)
         {
-            rows[i] = fullPrecisionRow<T, kD>(p, wk, true, kt + 16 * tau + 2 * t + (i & 1) + 8 * (i >> 1));
+            int32_t const ch = 16 * mt + g + 8 * (r & 1);
+            T const* lo = rows[2 * (r >> 1)];
+            T const* hi = rows[2 * (r >> 1) + 1];
+            uint16_t const xl = lo ? *reinterpret_cast<uint16_t const*>(lo + ch) : uint16_t(0);
+            uint16_t const xh = hi ? *reinterpret_cast<uint16_t const*>(hi + ch) : uint16_t(0);
+            a[r] = uint32_t(xl) | (uint32_t(xh) << 16);
         }
-#pragma unroll
-        for (int32_t mt = 0; mt < kD / 16; ++mt)
-        {
-            uint32_t a[4];
-#pragma unroll
-            for (int32_t r = 0; r < 4; ++r)
-            {
-                int32_t const ch = 16 * mt + g + 8 * (r & 1);
-                T const* lo = rows[2 * (r >> 1)];
-                T const* hi = rows[2 * (r >> 1) + 1];
-                uint16_t const xl = lo ? *reinterpret_cast<uint16_t const*>(lo + ch) : uint16_t(0);
-                uint16_t const xh = hi ? *reinterpret_cast<uint16_t const*>(hi + ch) : uint16_t(0);
-                a[r] = uint32_t(xl) | (uint32_t(xh) << 16);
-            }
-            mma16816<T>(st.o[mt], a, b0, b1);
-        }
+        mma16816<T>(o[mt], a, b0, b1);
     }
 }
 
-//! Two consecutive staged scale/zero values (channels ch, ch + 1) of storage type S as fp32.
-template <typename S>
-__device__ __forceinline__ float2 stagedPair(char const* base, int32_t ch)
+//! Where a warp's next quantized chunk comes from: block-table entry and row within the block, advanced by one
+//! chunk without a division.
+struct ChunkCursor
 {
-    if constexpr (std::is_same<S, half>::value)
+    int32_t entry; //!< index into the sequence's block-table row
+    int32_t row;   //!< key row within the block (a multiple of 32)
+
+    __device__ __forceinline__ void advance(int32_t blockSize)
     {
-        return __half22float2(*reinterpret_cast<__half2 const*>(base + ch * 2));
+        row += kMMA_CHUNK;
+        if (row == blockSize)
+        {
+            row = 0;
+            ++entry;
+        }
     }
-    else if constexpr (std::is_same<S, __nv_bfloat16>::value)
-    {
-        return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(base + ch * 2));
-    }
-    else
-    {
-        return *reinterpret_cast<float2 const*>(base + ch * 4);
-    }
+};
+
+//! Issue the cp.async copies of the chunk at (block blk, row r) into stage `st`; one commit group. Offsets come from
+//! head x blockSize times compile-time sizes (kernel parameters stay in the constant bank, not in registers).
+template <int kD, int kKB, int kVB, typename S>
+__device__ __forceinline__ void issueChunk(KiviStepParams const& p, char* st, int64_t blk, int32_t h, int32_t r,
+    int32_t vGroups, int32_t log2Group, int32_t lane)
+{
+    using Geo = MmaChunkGeometry<kD, kKB, kVB>;
+    int64_t const headRows = (blk * p.numKvHeads + h) * p.blockSize; // key rows before this (block, head)
+    int64_t const rows = headRows + r;
+    char const* kw = static_cast<char const*>(p.kCodes) + rows * (kD * kKB / 8);
+    char const* vw = static_cast<char const*>(p.vCodes) + rows * (kD * kVB / 8);
+    int64_t const ks = (rows >> log2Group) * (kD * int32_t(sizeof(S)));
+    int64_t const vs = rows * (vGroups * int32_t(sizeof(S)));
+    int32_t const vBytes = kMMA_CHUNK * vGroups * int32_t(sizeof(S));
+    char* dst = st;
+    warpCopyFixed<Geo::kKWORDS * 4>(dst, kw, lane);
+    dst += Geo::kKWORDS * 4;
+    warpCopyFixed<Geo::kVWORDS * 4>(dst, vw, lane);
+    dst += Geo::kVWORDS * 4;
+    warpCopyFixed<kD * int32_t(sizeof(S))>(dst, static_cast<char const*>(p.kScale) + ks, lane);
+    dst += kD * sizeof(S);
+    warpCopyFixed<kD * int32_t(sizeof(S))>(dst, static_cast<char const*>(p.kZero) + ks, lane);
+    dst += kD * sizeof(S);
+    warpCopySmall(dst, static_cast<char const*>(p.vScale) + vs, vBytes, lane);
+    dst += vBytes;
+    warpCopySmall(dst, static_cast<char const*>(p.vZero) + vs, vBytes, lane);
 }
 
-//! The B fragments of S for a new key group and the score bias of this lane's columns (mma_model order):
-//! q' = rnd(qsc * s_k * 2^b) for row g, channels 16 kb + 8 reg + 2t + {0, 1}; bias(row) = sum(qsc z_k - alpha q')
-//! over the lane's channels, reduced over the 4 lanes of a groupID, then fetched for rows 2t, 2t + 1.
-template <typename T, int kD, typename S, typename Aff>
-__device__ __forceinline__ void computeQPrime(float const (*qS)[kD + 8], char const* kScale, char const* kZero,
-    int32_t g, int32_t t, uint32_t (&qB)[kD / 16][2], float (&biasS)[2])
+//! One warp's running state (lane = (g, t): score columns / O^T columns = rows 2t, 2t + 1 of the CTA).
+template <int kD>
+struct MmaWarpState
 {
-    float part = 0.F;
+    static constexpr int32_t kMT = kD / 16;
+    float o[kMT][4]; //!< O^T C fragments: channel 16 mt + g (+8), rows 2t, 2t + 1
+    float m[2];      //!< running max (log2 units) of rows 2t, 2t + 1
+    float vb[4];     //!< C fragment of [V bias per group ; l] (rows = groups, row Gv-count = sum of w), cols = rows
+};
+
+//! The B fragments of S for a new key group and the score bias of this lane's columns (rows 2t, 2t + 1):
+//! q'' = rnd(qa * s_k) for row g, channels 16 kb + 8 reg + 2t + {0, 1}; bias = sum_ch (rnd(qsc) z_k - alpha q'') by
+//! m16n8k8 MMAs whose A is the lane's existing pair (qa or q'' of channels 2t.. and 8 + 2t..: rows g and g + 8 of A
+//! are the low and high channel halves of query row g) and whose B is z_k of the low half for columns 0-3 and of
+//! the high half for columns 4-7 (-alpha/beta for every column): row g's bias is C[g][0-3] + C[g + 8][4-7].
+template <typename T, int kD, int kKB, typename S>
+__device__ __forceinline__ void foldKeyGroup(uint4 const* qaS, char const* kScale, char const* kZero, int32_t g,
+    int32_t t, uint32_t (&qK)[kD / 16][2], float (&biasS)[2])
+{
+    uint32_t qa[kD / 16][2];
+    loadQa<kD>(qaS, 4 * g + t, qa);
+    using Aff = CodeAffine<T, kKB>;
+    float c[4] = {0.F, 0.F, 0.F, 0.F};
+    int32_t const zCh = 8 * (g >> 2) + 2 * t; // B column g: the low (g < 4) or high channel half
 #pragma unroll
     for (int32_t kb = 0; kb < kD / 16; ++kb)
     {
-#pragma unroll
-        for (int32_t reg = 0; reg < 2; ++reg)
+        int32_t const ch = 16 * kb + 2 * t;
+        qK[kb][0] = MmaTraits<T>::mul2(qa[kb][0], stagedPair<S, T>(kScale, ch));
+        qK[kb][1] = MmaTraits<T>::mul2(qa[kb][1], stagedPair<S, T>(kScale, ch + 8));
+        mma1688<T>(c, qa[kb][0], qa[kb][1], stagedPair<S, T>(kZero, 16 * kb + zCh));
+        if constexpr (Aff::kALPHA != 0.F)
         {
-            int32_t const ch = 16 * kb + 8 * reg + 2 * t;
-            float2 const qq = *reinterpret_cast<float2 const*>(&qS[g][ch]);
-            float2 const sc = stagedPair<S>(kScale, ch);
-            float2 const zr = stagedPair<S>(kZero, ch);
-            float const a0 = __fmul_rn(__fmul_rn(qq.x, sc.x), Aff::kINV_BETA);
-            float const a1 = __fmul_rn(__fmul_rn(qq.y, sc.y), Aff::kINV_BETA);
-            qB[kb][reg] = MmaTraits<T>::pack(a0, a1);
-            float2 const qr = MmaTraits<T>::unpack(qB[kb][reg]);
-            part = __fmaf_rn(qq.x, zr.x, part);
-            part = __fmaf_rn(-Aff::kALPHA, qr.x, part);
-            part = __fmaf_rn(qq.y, zr.y, part);
-            part = __fmaf_rn(-Aff::kALPHA, qr.y, part);
+            mma1688<T>(c, qK[kb][0], qK[kb][1], Aff::kNEG_ALPHA_INV_BETA2);
         }
     }
-    part += __shfl_xor_sync(0xffffffffU, part, 1);
-    part += __shfl_xor_sync(0xffffffffU, part, 2);
-    biasS[0] = __shfl_sync(0xffffffffU, part, (2 * t) * 4);
-    biasS[1] = __shfl_sync(0xffffffffU, part, (2 * t + 1) * 4);
+    // (sum over channels of qa z - alpha/beta q'') * beta = bias of row g: rows g (low half, columns 2t < 4) and
+    // g + 8 (high half, columns 2t >= 4)
+    constexpr float kBETA = 1.F / float(1 << Aff::kLOG2_INV_BETA);
+    float v = t < 2 ? c[0] : c[2];
+    v += __shfl_xor_sync(0xffffffffU, v, 2);
+    v *= kBETA;
+    biasS[0] = __shfl_sync(0xffffffffU, v, (2 * t) * 4);
+    biasS[1] = __shfl_sync(0xffffffffU, v, (2 * t + 1) * 4);
+}
+
+//! The V scales / zeros of one 16-key tile as one lane needs them (keys 2t, 2t + 1, 2t + 8, 2t + 9): the P' scale
+//! pair of a 32-channel slice and the V bias operand of group g. kVG > 0 (S == T, Gv = 32, so kVG = D / 32 groups
+//! and slice j is group j): each key's row of kVG 16-bit scales is one load, pairs are one prmt each. kVG == 0: any
+//! Gv and storage type, element loads (stagedPair2).
+template <typename T, int kVB, typename S, int kVG>
+struct ValueScaleTile
+{
+    static constexpr int32_t kWORDS = kVG > 0 ? kVG / 2 : 1;
+    uint32_t s[4][kWORDS]; //!< kVG > 0: rows of keys 2t, 2t + 1, 2t + 8, 2t + 9
+    uint32_t z[4][kWORDS];
+    char const* vScale;
+    char const* vZero;
+    int32_t i0; //!< kVG == 0: staged index of (key 2t, group 0)
+    int32_t vGroups;
+    int32_t vSliceShift;
+
+    __device__ __forceinline__ void load(char const* sBase, char const* zBase, int32_t key0, int32_t groups,
+        int32_t sliceShift, int32_t t)
+    {
+        vScale = sBase;
+        vZero = zBase;
+        vGroups = groups;
+        vSliceShift = sliceShift;
+        if constexpr (kVG > 0)
+        {
+#pragma unroll
+            for (int32_t k = 0; k < 4; ++k)
+            {
+                int32_t const key = key0 + 2 * t + (k & 1) + 8 * (k >> 1);
+#pragma unroll
+                for (int32_t j = 0; j < kWORDS; ++j)
+                {
+                    s[k][j] = reinterpret_cast<uint32_t const*>(sBase + key * kVG * 2)[j];
+                    z[k][j] = reinterpret_cast<uint32_t const*>(zBase + key * kVG * 2)[j];
+                }
+            }
+        }
+        else
+        {
+            i0 = (key0 + 2 * t) * groups;
+        }
+    }
+
+    //! (s[key 2t][slice], s[2t + 1][slice]) (high: keys 2t + 8, 2t + 9) as a T pair; `slice` is compile-time.
+    __device__ __forceinline__ uint32_t scalePair(int32_t slice, bool high) const
+    {
+        if constexpr (kVG > 0)
+        {
+            int32_t const k = high ? 2 : 0;
+            return __byte_perm(s[k][slice / 2], s[k + 1][slice / 2], slice % 2 ? 0x7632 : 0x5410);
+        }
+        else
+        {
+            int32_t const i = i0 + (high ? 8 * vGroups : 0) + (slice >> vSliceShift);
+            return stagedPair2<S, T>(vScale, i, i + vGroups);
+        }
+    }
+
+    //! The A fragment of the V bias MMA: row g < vGroups = u = rnd(z_v - alpha s_v / beta) of group g at keys 2t,
+    //! 2t + 1 (a0) and 2t + 8, 2t + 9 (a2); row vGroups = ones (its result is l); other rows 0.
+    __device__ __forceinline__ void biasOperand(int32_t g, uint32_t (&a)[4]) const
+    {
+        using Aff = CodeAffine<T, kVB>;
+        uint32_t sp[2];
+        uint32_t zp[2];
+        if constexpr (kVG > 0)
+        {
+            int32_t const gg = g < kVG ? g : 0;
+            uint32_t const sel = gg % 2 ? 0x7632U : 0x5410U;
+#pragma unroll
+            for (int32_t h = 0; h < 2; ++h)
+            {
+                uint32_t const s0 = kWORDS > 1 && gg >= 2 ? s[2 * h][kWORDS - 1] : s[2 * h][0];
+                uint32_t const s1 = kWORDS > 1 && gg >= 2 ? s[2 * h + 1][kWORDS - 1] : s[2 * h + 1][0];
+                uint32_t const z0 = kWORDS > 1 && gg >= 2 ? z[2 * h][kWORDS - 1] : z[2 * h][0];
+                uint32_t const z1 = kWORDS > 1 && gg >= 2 ? z[2 * h + 1][kWORDS - 1] : z[2 * h + 1][0];
+                sp[h] = __byte_perm(s0, s1, sel);
+                zp[h] = __byte_perm(z0, z1, sel);
+            }
+        }
+        else
+        {
+            int32_t const i = i0 + (g < vGroups ? g : 0);
+            sp[0] = stagedPair2<S, T>(vScale, i, i + vGroups);
+            sp[1] = stagedPair2<S, T>(vScale, i + 8 * vGroups, i + 9 * vGroups);
+            zp[0] = stagedPair2<S, T>(vZero, i, i + vGroups);
+            zp[1] = stagedPair2<S, T>(vZero, i + 8 * vGroups, i + 9 * vGroups);
+        }
+        uint32_t u0 = zp[0];
+        uint32_t u1 = zp[1];
+        if constexpr (Aff::kALPHA != 0.F)
+        {
+            u0 = MmaTraits<T>::fma2(sp[0], Aff::kNEG_ALPHA_INV_BETA2, zp[0]);
+            u1 = MmaTraits<T>::fma2(sp[1], Aff::kNEG_ALPHA_INV_BETA2, zp[1]);
+        }
+        constexpr uint32_t kONE2 = MmaTraits<T>::kONE * 0x00010001U;
+        a[0] = g < vGroups ? u0 : (g == vGroups ? kONE2 : 0U);
+        a[2] = g < vGroups ? u1 : (g == vGroups ? kONE2 : 0U);
+        a[1] = 0U;
+        a[3] = 0U;
+    }
+};
+
+//! The full key loop of one warp over its chunk range [c0, c1), scale storage S (dispatched once per CTA).
+template <typename T, int kD, int kKB, int kVB, typename S, int kVG>
+__device__ __forceinline__ void mmaKeyLoop(KiviStepParams const& p, MmaWork const& wk, char* stages,
+    uint4 const* qaS, int32_t c0, int32_t c1, int32_t cq,
+    int32_t maskFrom, int32_t const (&pos)[2], int32_t lane, MmaWarpState<kD>& st)
+{
+    using Geo = MmaChunkGeometry<kD, kKB, kVB>;
+    using AffV = CodeAffine<T, kVB>;
+    constexpr int32_t kMT = kD / 16;
+    int32_t const g = lane >> 2;
+    int32_t const t = lane & 3;
+    int32_t const gv = valueGroupSizeDev(p.groupSize, kD);
+    int32_t const vGroups = kD / gv;
+    int32_t const vSliceShift = __ffs(gv / 32) - 1; // 32-channel slice j lies in V group j >> vSliceShift
+    int32_t const log2Group = __ffs(p.groupSize) - 1;
+    int32_t const stageBytes = mmaStageBytes<kD, kKB, kVB>(sizeof(S), p.groupSize);
+    int32_t const* table = p.blockTable + int64_t(wk.b) * p.maxBlocksPerSeq;
+    uint32_t one2 = MmaTraits<T>::kONE * 0x00010001U;
+    asm volatile("" : "+r"(one2)); // keep the lop3 constant in a register (one LOP3 per code register)
+
+    int32_t const keyC0 = wk.k0 + c0 * kMMA_CHUNK;
+    ChunkCursor issueAt{keyC0 / p.blockSize, keyC0 % p.blockSize};
+    int32_t issueStage = 0; // stages rotate: chunk c0 + i uses stage i % kMMA_STAGES
+    auto issue = [&](int32_t ci) {
+        if (ci < cq)
+        {
+            issueChunk<kD, kKB, kVB, S>(p, stages + issueStage * stageBytes, table[issueAt.entry], wk.h,
+                issueAt.row, kVG > 0 ? kVG : vGroups, log2Group, lane);
+            issueAt.advance(p.blockSize);
+        }
+        issueStage = issueStage == kMMA_STAGES - 1 ? 0 : issueStage + 1;
+        cpAsyncCommit(); // always one group per chunk slot: wait_group counts stay uniform
+    };
+    for (int32_t i = 0; i < kMMA_STAGES - 1; ++i)
+    {
+        issue(c0 + i);
+    }
+
+    uint32_t qK[kMT][2]; // B of S for the current key group: q'' = rnd(qa * s_k), lane: row g
+    float biasS[2] = {0.F, 0.F};
+    int32_t rowC = keyC0 % p.blockSize; // block row of the chunk being consumed
+    int32_t useStage = 0;
+    bool first = true;
+    for (int32_t ci = c0; ci < c1; ++ci)
+    {
+        bool const quant = ci < cq;
+        char const* stg = stages + useStage * stageBytes;
+        useStage = useStage == kMMA_STAGES - 1 ? 0 : useStage + 1;
+        char const* kWords = stg;
+        char const* vWords = kWords + Geo::kKWORDS * 4;
+        char const* kScale = vWords + Geo::kVWORDS * 4;
+        char const* kZero = kScale + kD * sizeof(S);
+        char const* vScale = kZero + kD * sizeof(S);
+        char const* vZero = vScale + kMMA_CHUNK * vGroups * sizeof(S);
+        float sc[2][4];
+        if (quant)
+        {
+            cpAsyncWait<kMMA_STAGES - 2>();
+            __syncwarp();
+            if (first || (rowC & (p.groupSize - 1)) == 0) // a new key group (G is a power of two)
+            {
+                foldKeyGroup<T, kD, kKB, S>(qaS, kScale, kZero, g, t, qK, biasS);
+            }
+            first = false;
+            // S = K q''^T + bias: registers straight from this lane's words (FRAGMENT order); the two tiles'
+            // accumulator chains interleave so no MMA waits on the previous one
+            uint32_t w[2][Geo::kNWK];
+#pragma unroll
+            for (int32_t tau = 0; tau < 2; ++tau)
+            {
+                uint32_t const* src = reinterpret_cast<uint32_t const*>(kWords) + (tau * 32 + lane) * Geo::kNWK;
+#pragma unroll
+                for (int32_t j = 0; j < Geo::kNWK; ++j)
+                {
+                    w[tau][j] = src[j];
+                }
+#pragma unroll
+                for (int32_t r = 0; r < 4; ++r)
+                {
+                    sc[tau][r] = biasS[r & 1];
+                }
+            }
+#pragma unroll
+            for (int32_t kb = 0; kb < kMT; ++kb)
+            {
+#pragma unroll
+                for (int32_t tau = 0; tau < 2; ++tau)
+                {
+                    uint32_t a[4];
+                    convertBlock<T, kKB, Geo::kNWK>(w[tau], kb, one2, a);
+                    mma16816<T>(sc[tau], a, qK[kb][0], qK[kb][1]);
+                }
+            }
+        }
+        else
+        {
+            loadFullPrecisionScores<T, kD, kKB>(p, wk, qaS, ci, g, t, sc);
+        }
+        int32_t const kt = wk.k0 + ci * kMMA_CHUNK;
+        if (kt + kMMA_CHUNK > maskFrom) // keys past the split or past a row's causal limit (uniform branch)
+        {
+#pragma unroll
+            for (int32_t tau = 0; tau < 2; ++tau)
+            {
+#pragma unroll
+                for (int32_t r = 0; r < 4; ++r)
+                {
+                    int32_t const key = kt + 16 * tau + g + 8 * (r >> 1);
+                    if (!(key < wk.k1 && key <= pos[r & 1]))
+                    {
+                        sc[tau][r] = -INFINITY;
+                    }
+                }
+            }
+        }
+        // online softmax: row maxima over the chunk, rescale only when one grows (warp-uniform vote)
+        float mx[2] = {fmaxf(fmaxf(sc[0][0], sc[0][2]), fmaxf(sc[1][0], sc[1][2])),
+            fmaxf(fmaxf(sc[0][1], sc[0][3]), fmaxf(sc[1][1], sc[1][3]))};
+#pragma unroll
+        for (int32_t j = 0; j < 2; ++j)
+        {
+#pragma unroll
+            for (int32_t o = 4; o < 32; o <<= 1)
+            {
+                mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffU, mx[j], o));
+            }
+            mx[j] = fmaxf(mx[j], st.m[j]);
+        }
+        if (__any_sync(0xffffffffU, mx[0] > st.m[0] || mx[1] > st.m[1]))
+        {
+            float alpha[2];
+#pragma unroll
+            for (int32_t j = 0; j < 2; ++j)
+            {
+                alpha[j] = mx[j] == st.m[j] ? 1.F : fastExp2(st.m[j] - mx[j]);
+                st.m[j] = mx[j];
+            }
+#pragma unroll
+            for (int32_t mt = 0; mt < kMT; ++mt)
+            {
+#pragma unroll
+                for (int32_t r = 0; r < 4; ++r)
+                {
+                    st.o[mt][r] *= alpha[r & 1];
+                }
+            }
+#pragma unroll
+            for (int32_t r = 0; r < 4; ++r)
+            {
+                st.vb[r] *= alpha[r & 1];
+            }
+        }
+        float const mUse[2] = {st.m[0] == -INFINITY ? 0.F : st.m[0], st.m[1] == -INFINITY ? 0.F : st.m[1]};
+        // O^T += V^T P'^T; [V bias ; l] += [u ; 1] w^T
+#pragma unroll
+        for (int32_t tau = 0; tau < 2; ++tau)
+        {
+            uint32_t const h0 = MmaTraits<T>::pack(fastExp2(sc[tau][0] - mUse[0]), fastExp2(sc[tau][1] - mUse[1]));
+            uint32_t const h1 = MmaTraits<T>::pack(fastExp2(sc[tau][2] - mUse[0]), fastExp2(sc[tau][3] - mUse[1]));
+            uint32_t const b0 = movTrans(h0); // keys 2t, 2t + 1 of the tile, row g
+            uint32_t const b1 = movTrans(h1); // keys 2t + 8, 2t + 9
+            int32_t const key0 = 16 * tau;
+            uint32_t av[4];
+            if (quant)
+            {
+                ValueScaleTile<T, kVB, S, kVG> vt;
+                vt.load(vScale, vZero, key0, vGroups, vSliceShift, t);
+                vt.biasOperand(g, av);
+                uint32_t w[Geo::kNWV];
+                uint32_t const* src = reinterpret_cast<uint32_t const*>(vWords) + (tau * 32 + lane) * Geo::kNWV;
+#pragma unroll
+                for (int32_t j = 0; j < Geo::kNWV; ++j)
+                {
+                    w[j] = src[j];
+                }
+                uint32_t const wb0 = MmaTraits<T>::mul2(b0, AffV::kINV_BETA2); // exact: a power of two
+                uint32_t const wb1 = MmaTraits<T>::mul2(b1, AffV::kINV_BETA2);
+                uint32_t pb0 = 0;
+                uint32_t pb1 = 0;
+#pragma unroll
+                for (int32_t mt = 0; mt < kMT; ++mt)
+                {
+                    if (mt % 2 == 0) // a 32-channel slice lies in one V group (Gv >= 32): P' = rnd(w / beta * s_v)
+                    {
+                        pb0 = MmaTraits<T>::mul2(wb0, vt.scalePair(mt / 2, false));
+                        pb1 = MmaTraits<T>::mul2(wb1, vt.scalePair(mt / 2, true));
+                    }
+                    uint32_t a[4];
+                    convertBlock<T, kVB, Geo::kNWV>(w, mt, one2, a);
+                    mma16816<T>(st.o[mt], a, pb0, pb1);
+                }
+            }
+            else
+            {
+                constexpr uint32_t kONE2 = MmaTraits<T>::kONE * 0x00010001U;
+                av[0] = g == vGroups ? kONE2 : 0U; // l only: full-precision keys have no V bias
+                av[2] = av[0];
+                av[1] = 0U;
+                av[3] = 0U;
+                accumulateFullPrecisionValues<T, kD>(p, wk, ci, tau, g, t, b0, b1, st.o);
+            }
+            mma16816<T>(st.vb, av, b0, b1);
+        }
+        if (quant)
+        {
+            __syncwarp(); // every lane has read this stage before it is refilled
+            rowC += kMMA_CHUNK;
+            rowC = rowC == p.blockSize ? 0 : rowC;
+        }
+        issue(ci + kMMA_STAGES - 1);
+    }
+    cpAsyncWait<0>();
 }
 
 template <typename T, int kD, int kKB, int kVB>
 __global__ void __launch_bounds__(kMMA_THREADS, mmaMinCtas(kKB, kVB)) kiviDecodeMmaKernel(
     KiviStepParams p, KiviLaunchPlan plan, SeqInfo const* seqInfo, float* partialAcc, float* partialMl)
 {
-    using Geo = MmaChunkGeometry<kD, kKB, kVB>;
     using AffK = CodeAffine<T, kKB>;
-    using AffV = CodeAffine<T, kVB>;
     constexpr int32_t kMT = kD / 16;
     extern __shared__ __align__(16) char smem[];
-    // qsc = q / sqrt(D) of the 8 rows (0 for dead rows); rows padded by 8 floats so the 8 groupIDs' float2 reads
-    // of one B fragment hit distinct banks (2 wavefronts per warp instead of 8)
+    // qsc = q log2(e) / sqrt(D) of the 8 rows (0 for dead rows); rows padded by 8 floats so the 8 groupIDs' float2
+    // reads of one B fragment hit distinct banks (2 wavefronts per warp instead of 8)
     __shared__ float qS[kTILE_ROWS][kD + 8];
+    __shared__ uint4 qaS[kD / 32 * 32];
 
     MmaWork const wk = resolveMmaTile<T, kD>(p, plan, seqInfo);
     if (!wk.run)
@@ -551,9 +984,11 @@ __global__ void __launch_bounds__(kMMA_THREADS, mmaMinCtas(kKB, kVB)) kiviDecode
     int32_t const g = lane >> 2;
     int32_t const t = lane & 3;
     int32_t const gv = valueGroupSizeDev(p.groupSize, kD);
+    int32_t const vGroups = kD / gv;
     int32_t const scaleBytes = p.scaleDtype == kKIVI_FLOAT32 ? 4 : 2;
     int32_t const stageBytes = mmaStageBytes<kD, kKB, kVB>(scaleBytes, p.groupSize);
-    float const smScale = kD == 64 ? 0.125F : 0.0883883476483184405F; // fl32(1 / sqrt(D)), as mma_model
+    // fl32(log2(e) / sqrt(D)), as mma_model
+    float const smScale = kD == 64 ? 0.18033688011112042F : 0.12751743082459868F;
 
     T const* q = static_cast<T const*>(p.q);
     for (int32_t u = threadIdx.x; u < kTILE_ROWS * kD; u += kMMA_THREADS)
@@ -569,17 +1004,36 @@ __global__ void __launch_bounds__(kMMA_THREADS, mmaMinCtas(kKB, kVB)) kiviDecode
         qS[n][u % kD] = x;
     }
     __syncthreads();
+    // B fragments of q for row g, channels 16 kb + 8 reg + 2t + {0, 1}: qa = rnd(qsc) / beta (exact), written once
+    // by warp 0 as [kb / 2][lane] uint4s
+    if (warp == 0)
+    {
+#pragma unroll
+        for (int32_t i = 0; i < kMT / 2; ++i)
+        {
+            uint32_t x[4];
+#pragma unroll
+            for (int32_t k = 0; k < 4; ++k)
+            {
+                int32_t const kb = 2 * i + k / 2;
+                float2 const qq = *reinterpret_cast<float2 const*>(&qS[g][16 * kb + 8 * (k % 2) + 2 * t]);
+                x[k] = MmaTraits<T>::mul2(MmaTraits<T>::pack(qq.x, qq.y), AffK::kINV_BETA2); // exact: 2^b
+            }
+            qaS[i * 32 + lane] = make_uint4(x[0], x[1], x[2], x[3]);
+        }
+    }
+    __syncthreads();
 
-    // Causal limit and liveness of this lane's score columns (rows 2t, 2t + 1).
+    // Causal limit of this lane's score columns (rows 2t, 2t + 1; dead rows take row 0's and are never written).
     int32_t pos[2];
-    bool live[2];
 #pragma unroll
     for (int32_t j = 0; j < 2; ++j)
     {
         int32_t const n = 2 * t + j;
-        live[j] = n < wk.nRows;
-        pos[j] = wk.s + (wk.row0 + (live[j] ? n : 0)) / grp;
+        pos[j] = wk.s + (wk.row0 + (n < wk.nRows ? n : 0)) / grp;
     }
+    // chunks ending at or before maskFrom need no mask: all their keys are below k1 and every row's limit
+    int32_t const maskFrom = min(wk.k1, wk.s + wk.row0 / grp + 1);
 
     // This warp's contiguous range of 32-key chunks of the split.
     int32_t const nChunks = (wk.k1 - wk.k0 + kMMA_CHUNK - 1) / kMMA_CHUNK;
@@ -589,18 +1043,6 @@ __global__ void __launch_bounds__(kMMA_THREADS, mmaMinCtas(kKB, kVB)) kiviDecode
     // Chunks [c0, cq) are quantized (keys < n_q(s)), [cq, c1) full precision (window, then chunk rows).
     int32_t const cq = max(c0, min(c1, (wk.nq - wk.k0 + kMMA_CHUNK - 1) / kMMA_CHUNK));
     char* stages = smem + warp * kMMA_STAGES * stageBytes;
-    int32_t const* table = p.blockTable + int64_t(wk.b) * p.maxBlocksPerSeq;
-
-    auto issue = [&](int32_t ci) {
-        if (ci < cq)
-        {
-            int32_t const kt = wk.k0 + ci * kMMA_CHUNK;
-            int64_t const blk = table[kt / p.blockSize];
-            issueChunk<kD, kKB, kVB>(p, stages + (ci - c0) % kMMA_STAGES * stageBytes, blk, wk.h, kt % p.blockSize,
-                scaleBytes, gv, lane);
-        }
-        cpAsyncCommit(); // always one group per chunk slot: wait_group counts stay uniform
-    };
 
     MmaWarpState<kD> st;
 #pragma unroll
@@ -613,215 +1055,53 @@ __global__ void __launch_bounds__(kMMA_THREADS, mmaMinCtas(kKB, kVB)) kiviDecode
         }
     }
     st.m[0] = st.m[1] = -INFINITY;
-    st.l[0] = st.l[1] = 0.F;
-    constexpr int32_t kVGMAX = kD / 32;
 #pragma unroll
-    for (int32_t vg = 0; vg < kVGMAX; ++vg)
+    for (int32_t r = 0; r < 4; ++r)
     {
-        st.vb[vg][0] = st.vb[vg][1] = 0.F;
+        st.vb[r] = 0.F;
+    }
+    // one uniform branch per CTA on the scale dtype: the key loop is compiled once per storage type
+    // (scale dtype == activation dtype, G = 32: the default) gets the row-load V scale path
+    bool const actScales = p.scaleDtype == (std::is_same<T, half>::value ? kKIVI_FLOAT16 : kKIVI_BFLOAT16);
+    if (actScales && vGroups == kD / 32)
+    {
+        mmaKeyLoop<T, kD, kKB, kVB, T, kD / 32>(p, wk, stages, qaS, c0, c1, cq, maskFrom, pos, lane, st);
+    }
+    else if (p.scaleDtype == kKIVI_FLOAT16)
+    {
+        mmaKeyLoop<T, kD, kKB, kVB, half, 0>(p, wk, stages, qaS, c0, c1, cq, maskFrom, pos, lane, st);
+    }
+    else if (p.scaleDtype == kKIVI_BFLOAT16)
+    {
+        mmaKeyLoop<T, kD, kKB, kVB, __nv_bfloat16, 0>(p, wk, stages, qaS, c0, c1, cq, maskFrom, pos, lane, st);
+    }
+    else
+    {
+        mmaKeyLoop<T, kD, kKB, kVB, float, 0>(p, wk, stages, qaS, c0, c1, cq, maskFrom, pos, lane, st);
     }
 
-    for (int32_t i = 0; i < kMMA_STAGES - 1; ++i)
-    {
-        issue(c0 + i);
-    }
-    uint32_t qB[kMT][2]; // B of S for the current key group: q' = rnd(qsc * s_k * 2^b), lane: row g
-    float biasS[2] = {0.F, 0.F};
-    int32_t curGroup = -1;
-
-    for (int32_t ci = c0; ci < c1; ++ci)
-    {
-        int32_t const kt = wk.k0 + ci * kMMA_CHUNK;
-        float sc[2][4];
-        bool const quant = ci < cq;
-        char const* stg = stages + (ci - c0) % kMMA_STAGES * stageBytes;
-        char const* kWords = stg;
-        char const* vWords = kWords + Geo::kKWORDS * 4;
-        char const* kScale = vWords + Geo::kVWORDS * 4;
-        char const* kZero = kScale + kD * scaleBytes;
-        char const* vScale = kZero + kD * scaleBytes;
-        char const* vZero = vScale + kMMA_CHUNK * (kD / gv) * scaleBytes;
-        if (quant)
-        {
-            cpAsyncWait<kMMA_STAGES - 2>();
-            __syncwarp();
-            int32_t const group = kt / p.groupSize;
-            if (group != curGroup)
-            {
-                curGroup = group;
-                // one uniform branch per group on the scale dtype; the loop inside loads (scale, zero) pairs
-                if (p.scaleDtype == kKIVI_FLOAT16)
-                {
-                    computeQPrime<T, kD, half, AffK>(qS, kScale, kZero, g, t, qB, biasS);
-                }
-                else if (p.scaleDtype == kKIVI_BFLOAT16)
-                {
-                    computeQPrime<T, kD, __nv_bfloat16, AffK>(qS, kScale, kZero, g, t, qB, biasS);
-                }
-                else
-                {
-                    computeQPrime<T, kD, float, AffK>(qS, kScale, kZero, g, t, qB, biasS);
-                }
-            }
-            // S = K q'^T + bias: registers straight from this lane's words (FRAGMENT order)
-#pragma unroll
-            for (int32_t tau = 0; tau < 2; ++tau)
-            {
-                uint32_t w[Geo::kNWK];
-                uint32_t const* src = reinterpret_cast<uint32_t const*>(kWords) + (tau * 32 + lane) * Geo::kNWK;
-#pragma unroll
-                for (int32_t j = 0; j < Geo::kNWK; ++j)
-                {
-                    w[j] = src[j];
-                }
-                float c[4] = {0.F, 0.F, 0.F, 0.F};
-#pragma unroll
-                for (int32_t kb = 0; kb < kMT; ++kb)
-                {
-                    uint32_t a[4];
-#pragma unroll
-                    for (int32_t r = 0; r < 4; ++r)
-                    {
-                        constexpr int32_t kPER = 16 / kKB;
-                        int32_t const pi = 4 * kb + r;
-                        a[r] = convertRegister<T, kKB>(w[pi / kPER], pi % kPER);
-                    }
-                    mma16816<T>(c, a, qB[kb][0], qB[kb][1]);
-                }
-#pragma unroll
-                for (int32_t r = 0; r < 4; ++r)
-                {
-                    sc[tau][r] = c[r] + biasS[r & 1];
-                }
-            }
-        }
-        else
-        {
-            loadFullPrecisionScores<T, kD>(p, wk, qS, kt, g, t, sc);
-        }
-        // mask: keys past the split / the causal limit, dead rows
-#pragma unroll
-        for (int32_t tau = 0; tau < 2; ++tau)
-        {
-#pragma unroll
-            for (int32_t r = 0; r < 4; ++r)
-            {
-                int32_t const key = kt + 16 * tau + g + 8 * (r >> 1);
-                int32_t const j = r & 1;
-                if (!(key < wk.k1 && key <= pos[j] && live[j]))
-                {
-                    sc[tau][r] = -INFINITY;
-                }
-            }
-        }
-        softmaxUpdate<kD, kVGMAX>(st, sc);
-        // O^T += V^T P''^T (+ biases)
-        if (quant)
-        {
-#pragma unroll
-            for (int32_t tau = 0; tau < 2; ++tau)
-            {
-                uint32_t w[Geo::kNWV];
-                uint32_t const* src = reinterpret_cast<uint32_t const*>(vWords) + (tau * 32 + lane) * Geo::kNWV;
-#pragma unroll
-                for (int32_t j = 0; j < Geo::kNWV; ++j)
-                {
-                    w[j] = src[j];
-                }
-                int32_t const vGroups = kD / gv;
-                uint32_t b0 = 0;
-                uint32_t b1 = 0;
-#pragma unroll
-                for (int32_t mt = 0; mt < kMT; ++mt)
-                {
-                    if ((16 * mt) % gv == 0) // first m-tile of a V channel group: its P'' and bias
-                    {
-                        int32_t const vg = 16 * mt / gv;
-                        int32_t const k0i = (16 * tau + g) * vGroups + vg;
-                        int32_t const k1i = (16 * tau + g + 8) * vGroups + vg;
-                        float const s0 = __fmul_rn(stagedScale(vScale, k0i, p.scaleDtype), AffV::kINV_BETA);
-                        float const s1 = __fmul_rn(stagedScale(vScale, k1i, p.scaleDtype), AffV::kINV_BETA);
-                        float const z0 = stagedScale(vZero, k0i, p.scaleDtype);
-                        float const z1 = stagedScale(vZero, k1i, p.scaleDtype);
-                        uint32_t const h0 = MmaTraits<T>::pack(__fmul_rn(sc[tau][0], s0), __fmul_rn(sc[tau][1], s0));
-                        uint32_t const h1 = MmaTraits<T>::pack(__fmul_rn(sc[tau][2], s1), __fmul_rn(sc[tau][3], s1));
-                        float2 const r0 = MmaTraits<T>::unpack(h0);
-                        float2 const r1 = MmaTraits<T>::unpack(h1);
-#pragma unroll
-                        for (int32_t vgi = 0; vgi < kVGMAX; ++vgi)
-                        {
-                            if (vgi == vg) // lane g: key g, then key g + 8 (fma z * p, then -alpha * P'')
-                            {
-                                float& vb0 = st.vb[vgi][0];
-                                float& vb1 = st.vb[vgi][1];
-                                vb0 = __fmaf_rn(z0, sc[tau][0], vb0);
-                                vb0 = __fmaf_rn(-AffV::kALPHA, r0.x, vb0);
-                                vb1 = __fmaf_rn(z0, sc[tau][1], vb1);
-                                vb1 = __fmaf_rn(-AffV::kALPHA, r0.y, vb1);
-                                vb0 = __fmaf_rn(z1, sc[tau][2], vb0);
-                                vb0 = __fmaf_rn(-AffV::kALPHA, r1.x, vb0);
-                                vb1 = __fmaf_rn(z1, sc[tau][3], vb1);
-                                vb1 = __fmaf_rn(-AffV::kALPHA, r1.y, vb1);
-                            }
-                        }
-                        b0 = movTrans(h0);
-                        b1 = movTrans(h1);
-                    }
-                    uint32_t a[4];
-#pragma unroll
-                    for (int32_t r = 0; r < 4; ++r)
-                    {
-                        constexpr int32_t kPER = 16 / kVB;
-                        int32_t const pi = 4 * mt + r;
-                        a[r] = convertRegister<T, kVB>(w[pi / kPER], pi % kPER);
-                    }
-                    mma16816<T>(st.o[mt], a, b0, b1);
-                }
-            }
-            __syncwarp(); // every lane has read this stage before it is refilled
-        }
-        else
-        {
-            accumulateFullPrecisionValues<T, kD>(p, wk, kt, g, t, sc, st);
-        }
-        issue(ci + kMMA_STAGES - 1);
-    }
-    cpAsyncWait<0>();
-
-    // End of the key loop: reduce l and the V bias over the 8 groupID lanes, add the bias into O.
+    // End of the key loop: l and the V bias of group (16 mt + g) / Gv come from lane (group, t) of st.vb. G is
+    // re-read here (an opaque copy) rather than kept live through the key loop, where registers are scarce.
+    int32_t gEnd = p.groupSize;
+    asm volatile("" : "+r"(gEnd));
+    int32_t const gvEnd = valueGroupSizeDev(gEnd, kD);
+    int32_t const vGroupsEnd = kD / gvEnd;
+    float l[2];
 #pragma unroll
     for (int32_t j = 0; j < 2; ++j)
     {
-#pragma unroll
-        for (int32_t o = 4; o < 32; o <<= 1)
-        {
-            st.l[j] += __shfl_xor_sync(0xffffffffU, st.l[j], o);
-        }
-#pragma unroll
-        for (int32_t vg = 0; vg < kVGMAX; ++vg)
-        {
-#pragma unroll
-            for (int32_t o = 4; o < 32; o <<= 1)
-            {
-                st.vb[vg][j] += __shfl_xor_sync(0xffffffffU, st.vb[vg][j], o);
-            }
-        }
+        l[j] = __shfl_sync(0xffffffffU, st.vb[j], vGroupsEnd * 4 + t);
     }
 #pragma unroll
     for (int32_t mt = 0; mt < kMT; ++mt)
     {
-        int32_t const vg = 16 * mt / gv;
+        int32_t const src = (16 * mt / gvEnd) * 4 + t; // channels 16 mt .. 16 mt + 15 share one group (Gv >= 32)
 #pragma unroll
-        for (int32_t vgi = 0; vgi < kVGMAX; ++vgi)
+        for (int32_t j = 0; j < 2; ++j)
         {
-            if (vgi == vg)
-            {
-#pragma unroll
-                for (int32_t r = 0; r < 4; ++r)
-                {
-                    st.o[mt][r] += st.vb[vgi][r & 1];
-                }
-            }
+            float const bias = __shfl_sync(0xffffffffU, st.vb[j], src);
+            st.o[mt][j] += bias;
+            st.o[mt][j + 2] += bias;
         }
     }
 
@@ -836,7 +1116,7 @@ __global__ void __launch_bounds__(kMMA_THREADS, mmaMinCtas(kKB, kVB)) kiviDecode
         for (int32_t j = 0; j < 2; ++j)
         {
             mS[warp * kTILE_ROWS + 2 * t + j] = st.m[j];
-            lS[warp * kTILE_ROWS + 2 * t + j] = st.l[j];
+            lS[warp * kTILE_ROWS + 2 * t + j] = l[j];
         }
     }
 #pragma unroll
@@ -862,14 +1142,14 @@ __global__ void __launch_bounds__(kMMA_THREADS, mmaMinCtas(kKB, kVB)) kiviDecode
         {
             mx = fmaxf(mx, mS[w2 * kTILE_ROWS + n]);
         }
-        float l = 0.F;
+        float lsum = 0.F;
         float o = 0.F;
 #pragma unroll
         for (int32_t w2 = 0; w2 < kMMA_WARPS; ++w2)
         {
             float const mw = mS[w2 * kTILE_ROWS + n];
-            float const f = mw == -INFINITY ? 0.F : expf(mw - mx);
-            l = __fmaf_rn(lS[w2 * kTILE_ROWS + n], f, l);
+            float const f = mw == -INFINITY ? 0.F : fastExp2(mw - mx);
+            lsum = __fmaf_rn(lS[w2 * kTILE_ROWS + n], f, lsum);
             o = __fmaf_rn(oS[(w2 * kTILE_ROWS + n) * kD + ch], f, o);
         }
         int32_t const row = wk.row0 + n;
@@ -877,7 +1157,7 @@ __global__ void __launch_bounds__(kMMA_THREADS, mmaMinCtas(kKB, kVB)) kiviDecode
         int64_t const head = wk.h * grp + row % grp;
         if (plan.numSplits == 1)
         {
-            out[(token * p.numHeads + head) * kD + ch] = ActTraits<T>::fromFloat(l > 0.F ? __fdiv_rn(o, l) : 0.F);
+            out[(token * p.numHeads + head) * kD + ch] = ActTraits<T>::fromFloat(lsum > 0.F ? __fdiv_rn(o, lsum) : 0.F);
         }
         else
         {
@@ -885,8 +1165,8 @@ __global__ void __launch_bounds__(kMMA_THREADS, mmaMinCtas(kKB, kVB)) kiviDecode
             partialAcc[idx * kD + ch] = o;
             if (ch == 0)
             {
-                partialMl[idx * 2] = mx;
-                partialMl[idx * 2 + 1] = l;
+                partialMl[idx * 2] = mx * kLN2; // the combine kernel weighs splits in natural-log units
+                partialMl[idx * 2 + 1] = lsum;
             }
         }
     }

@@ -89,7 +89,7 @@ struct KiviStepParams
     int32_t ctasPerSm;     //!< resident attention CTAs per SM the split is sized for (0: kMMA_CTAS_PER_SM); the
                            //!< launcher's kiviAttentionCtasPerSm() gives the real occupancy on the current device
     // FORMAT_VERSION 2 (format.py); rotation is applied outside the op, so only the sinks reach the kernels
-    int32_t sinkTokens; //!< S: tokens [0, S) kept in full precision; these kernels refuse S > 0 for now
+    int32_t sinkTokens; //!< S (0 .. kMAX_SINK_TOKENS): tokens [0, S) kept in full precision, window rows [0, S)
 };
 
 //! Attention kernel choice (KiviStepParams::attentionImpl). Same decomposition, same workspace.
@@ -128,6 +128,7 @@ constexpr int32_t kMAX_TILE_ROWS = 16; //!< query rows (tokens x heads of one KV
 constexpr int32_t kTILE_ROWS = 8;      //!< query rows per CTA of the mma.sync kernel (its N)
 constexpr int32_t kMIN_SPLIT_LEN = 256;
 constexpr int32_t kDEFAULT_NUM_SMS = 132;
+constexpr int32_t kMAX_SINK_TOKENS = 128; //!< format.py MAX_SINK_TOKENS
 constexpr int32_t kMMA_CTAS_PER_SM = 3; //!< default occupancy (__launch_bounds__ of kiviDecodeMmaKernel): tiles x KV heads x splits <= one wave of SMs x this
 constexpr int32_t kSEQ_INFO_INTS = 8; //!< per sequence: token/tile offsets, tile count, valid, split length, 3 spare
 

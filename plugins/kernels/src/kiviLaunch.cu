@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(128) kiviPrepareKernel(KiviStepParams p, KiviL
     {
         err |= kKIVI_ERR_LENGTH;
     }
-    int64_t const nq = numQuantizedDev(e, p.residualLength, p.groupSize);
+    int64_t const nq = numQuantizedDev(e, p.sinkTokens, p.residualLength, p.groupSize);
     if (err == 0 && (e > plan.maxSeqLen || nq > int64_t(p.maxBlocksPerSeq) * p.blockSize))
     {
         err |= kKIVI_ERR_CAPACITY;

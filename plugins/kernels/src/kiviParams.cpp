@@ -169,7 +169,12 @@ int32_t kiviValidate(KiviStepParams const& p, int32_t phase, char* msg, size_t m
         return fail(msg, msgLen, "max_chunk_len=%d is out of range; allowed: 0 (= num_tokens) .. num_tokens=%d",
             p.maxChunkLen, p.numTokens);
     }
-    int64_t const capacity = int64_t(p.maxBlocksPerSeq) * p.blockSize + windowCapacity(p.residualLength, p.groupSize);
+    if (p.sinkTokens < 0 || p.sinkTokens > kMAX_SINK_TOKENS)
+    {
+        return fail(msg, msgLen, "sink_tokens=%d is out of range; allowed: 0 .. %d", p.sinkTokens, kMAX_SINK_TOKENS);
+    }
+    int64_t const capacity
+        = int64_t(p.maxBlocksPerSeq) * p.blockSize + p.sinkTokens + windowCapacity(p.residualLength, p.groupSize);
     if (capacity > INT32_MAX / 2)
     {
         return fail(msg, msgLen, "max_blocks_per_seq=%d x block_size=%d is past the supported capacity of %d tokens",
@@ -178,18 +183,10 @@ int32_t kiviValidate(KiviStepParams const& p, int32_t phase, char* msg, size_t m
     if (p.maxSeqLen < 0 || p.maxSeqLen > capacity)
     {
         return fail(msg, msgLen,
-            "max_seq_len=%d is past the capacity of %lld tokens (max_blocks_per_seq=%d blocks of %d + window %d); "
-            "allowed: 0 (= capacity) .. %lld",
-            p.maxSeqLen, static_cast<long long>(capacity), p.maxBlocksPerSeq, p.blockSize,
+            "max_seq_len=%d is past the capacity of %lld tokens (max_blocks_per_seq=%d blocks of %d + %d sinks + "
+            "window %d); allowed: 0 (= capacity) .. %lld",
+            p.maxSeqLen, static_cast<long long>(capacity), p.maxBlocksPerSeq, p.blockSize, p.sinkTokens,
             windowCapacity(p.residualLength, p.groupSize), static_cast<long long>(capacity));
-    }
-    if (p.sinkTokens != 0)
-    {
-        // Sinks change the window layout and n_q (format.py, FORMAT_VERSION 2); refuse rather than misread them.
-        return fail(msg, msgLen,
-            "sink_tokens=%d is not supported by the current KIVI kernels; allowed: 0 (sinks run in the torch "
-            "reference, memo and onnxruntime paths until the fragment-native kernels support them)",
-            p.sinkTokens);
     }
     if (p.attentionImpl == kKIVI_ATTN_SIMT || p.attentionImpl == kKIVI_ATTN_TENSOR_CORE)
     {
@@ -271,7 +268,7 @@ KiviLaunchPlan kiviLaunchPlan(KiviStepParams const& p)
 {
     KiviLaunchPlan plan{};
     plan.windowCapacity = windowCapacity(p.residualLength, p.groupSize);
-    int64_t const capacity = int64_t(p.maxBlocksPerSeq) * p.blockSize + plan.windowCapacity;
+    int64_t const capacity = int64_t(p.maxBlocksPerSeq) * p.blockSize + p.sinkTokens + plan.windowCapacity;
     plan.maxSeqLen = static_cast<int32_t>(p.maxSeqLen > 0 ? p.maxSeqLen : capacity);
     plan.maxChunkLen = p.maxChunkLen > 0 ? p.maxChunkLen : p.numTokens;
     // Divisors are clamped to >= 1 so that a plan of invalid params (kiviValidate rejects them) is merely useless.

@@ -322,13 +322,23 @@ void testFieldErrors()
     expectRefused(smolFields().set("block_size", 0), {"block_size=0"}, __LINE__);
     expectRefused(smolFields().set("scale_dtype", 3), {"scale_dtype=3", "0=float16, 1=bfloat16, 2=float32"}, __LINE__);
     expectRefused(smolFields().set("key_grouping", 2), {"key_grouping=2", "0=per_channel, 1=per_token"}, __LINE__);
-    // Issue 11's fields: sinks are refused until the kernels keep them (never ignored), in both phases; rotation
-    // codes outside {0, 1} are refused.
+    // Issue 11's fields: sinks are accepted in both phases (the kernels keep them: windows of S + W rows), outside
+    // [0, 128] refused; rotation codes outside {0, 1} are refused.
     for (TensorRTPhase phase : {TensorRTPhase::kBUILD, TensorRTPhase::kRUNTIME})
     {
-        expectRefused(smolFields().set("sink_tokens", 4),
-            {"field sink_tokens=4 is not supported yet", "keep no full-precision sink tokens", "allowed: 0"}, __LINE__,
-            phase);
+        Fields f = smolFields().set("sink_tokens", 4);
+        auto p = create(f, phase);
+        CHECK_MSG(p != nullptr, lastError());
+        if (p != nullptr)
+        {
+            auto dims = smolDims(5, 2, 10, 4, 3);
+            dims[13] = makeDims({4, 3, 163, 64}); // S + R + G - 1 window rows
+            dims[14] = makeDims({4, 3, 163, 64});
+            CHECK_MSG(checkInputDims(p->params(), dims.data(), 15).empty(),
+                checkInputDims(p->params(), dims.data(), 15));
+            auto plain = smolDims(5, 2, 10, 4, 3);
+            CHECK(contains(checkInputDims(p->params(), plain.data(), 15), "expected [4, 3, 163, 64]"));
+        }
     }
     expectRefused(smolFields().set("sink_tokens", 129), {"sink_tokens=129 must be in [0, 128]"}, __LINE__);
     expectRefused(smolFields().set("sink_tokens", -1), {"sink_tokens=-1 must be in [0, 128]"}, __LINE__);
@@ -601,7 +611,9 @@ void testConfigureAndWorkspace()
     }
     // Issue 12's numbers: a Llama-3-8B layer (32 q heads, 8 KV heads, D 128) with a long-prefill profile (1..8192
     // tokens, 1..8 sequences, 256-block table = 32K context) was given 140,708,096 bytes (a bound on T x numSplits
-    // at 8192 tokens: (8192 + 264) x 32 rows of 130 fp32). The most any step uses: 256 tokens split 2 ways.
+    // at 8192 tokens: (8192 + 264) x 32 rows of 130 fp32). The most any step uses, with the mma kernel's plan (tiles
+    // of 8 query rows = 2 tokens x 4 heads, 132 SMs x 3 CTAs): 46 tokens split 2 ways (24 tiles x 8 KV heads x 2
+    // splits = 384 <= 396 slots; at 47 tokens 25 x 8 = 200 CTAs leave no room for a second split).
     {
         Fields g = smolFields();
         g.set("num_heads", 32).set("num_kv_heads", 8).set("head_dim", 128);
@@ -620,10 +632,10 @@ void testConfigureAndWorkspace()
             }
             auto llama = dynamicDescs(lo, hi, types);
             CHECK_MSG(pl->configurePlugin(llama.data(), 15, out.data(), 10) == 0, lastError());
-            size_t const rows = 256 * 32 * 2;
+            size_t const rows = 46 * 32 * 2;
             size_t const want = (rows * 128 * 4 + 255) / 256 * 256 + (rows * 2 * 4 + 255) / 256 * 256 + 256;
             size_t const got = pl->getWorkspaceSize(llama.data(), 15, out.data(), 10);
-            CHECK_MSG(got == want && want == 8519936, std::to_string(got));
+            CHECK_MSG(got == want && want == 1531136, std::to_string(got));
             std::printf("  Llama-3-8B layer, 1..8192 tokens, 1..8 sequences, 32K context: workspace %zu bytes "
                         "(was 140708096)\n", got);
         }
