@@ -274,9 +274,6 @@ class CudaBackend(AttentionBackend):
             return "the KIVI kernel library is not built (build_scripts/build_plugin.sh)"
         if cfg.key_grouping != "per_channel":
             return f"the CUDA kernels implement per_channel keys only; key_grouping={cfg.key_grouping!r}"
-        if cfg.sink_tokens:
-            return (f"the current CUDA kernels do not implement sinks; sink_tokens={cfg.sink_tokens} runs on the "
-                    f"reference or memo backend")
         return None
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
