@@ -19,12 +19,13 @@ transformers = pytest.importorskip("transformers")
 from trtllm_kivi.hf import KiviCache  # noqa: E402
 from trtllm_kivi.models import load_model  # noqa: E402
 from trtllm_kivi.models.tiny import WIDE_INIT, write_tiny_checkpoint, write_tiny_qwen2_checkpoint  # noqa: E402
-from trtllm_kivi.reference import quantize_keys, quantize_values  # noqa: E402
+from trtllm_kivi.reference import quantize_keys, quantize_values, rotate  # noqa: E402
 from trtllm_kivi.runtime.generate import SamplingParams, generate  # noqa: E402
 from trtllm_kivi.runtime.kvspec import parse_kv  # noqa: E402
 from trtllm_kivi.runtime.torch_runner import TorchRunner  # noqa: E402
 
 KVS = ["fp16", "kivi2", "kivi4", "k4v2", "naive2"]
+RECIPES = ["kivi2+sink4+had", "k4v2+had:k", "kivi2+had:v@1"]  # sinks, rotation of K and/or V, per-layer rotation
 R = 32  # residual length: a 90-token prompt + 60 new tokens crosses the flush points R + kG = 64, 96, 128, ...
 NEW = 60
 TEXT = "The quick brown fox jumps over the lazy dog. " * 2  # 90 byte tokens
@@ -70,7 +71,7 @@ def hf_generate(hf, cache, prompts: list[list[int]], n: int = NEW, pad: int = 0)
     return [row[width:].tolist() for row in out]
 
 
-@pytest.mark.parametrize("kv", KVS)
+@pytest.mark.parametrize("kv", KVS + RECIPES)
 def test_generate_equals_our_runner(llama, kv):
     hf, model, tok = llama
     prompt = tok.encode(TEXT)
@@ -84,7 +85,7 @@ def test_generate_equals_our_runner(llama, kv):
         assert cache.store.cfg.num_quantized(cache.store.seq_len(0)) >= 64
 
 
-@pytest.mark.parametrize("kv", ["kivi2", "k4v2"])
+@pytest.mark.parametrize("kv", ["kivi2", "k4v2", "kivi2+sink4+had"])
 def test_qwen2_generate_equals_our_runner(qwen2, kv):
     hf, model, tok = qwen2
     prompt = tok.encode(TEXT)
@@ -127,10 +128,11 @@ class RecordingCache(KiviCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
-@pytest.mark.parametrize("kv", ["kivi2", "naive2"])
+@pytest.mark.parametrize("kv", ["kivi2", "naive2", "kivi2+had:k@0", "k4v2+had"])
 def test_cache_contents_equal_the_reference_quantizer(llama, kv):
     """Left-padded batch of 2 through generate(): for each row and layer, the stored state is the reference
-    quantizer's one-shot quantization of the first n_q(T) real tokens and the raw rest in the window."""
+    quantizer's one-shot quantization of the first n_q(T) real tokens and the raw rest in the window (of kH / vH
+    where the layer rotates K / V: format.py's rotation, applied by reference.rotate)."""
     hf, _, tok = llama
     prompts = [tok.encode(TEXT), tok.encode("A shorter prompt, padded on the left.")]
     width = max(map(len, prompts))
@@ -142,8 +144,9 @@ def test_cache_contents_equal_the_reference_quantizer(llama, kv):
         assert t == len(p) + NEW - 1  # padding never entered the cache
         n_q = cfg.num_quantized(t)
         for layer, calls in cache.seen.items():
-            k = torch.cat([c[0][row] for c in calls], dim=1)[:, width - len(p):]  # [Hkv, T, D] real tokens
-            v = torch.cat([c[1][row] for c in calls], dim=1)[:, width - len(p):]
+            k_rot, v_rot = cfg.k_rotation_of(layer), cfg.v_rotation_of(layer)
+            k = rotate(torch.cat([c[0][row] for c in calls], dim=1)[:, width - len(p):], k_rot)  # [Hkv, T, D]
+            v = rotate(torch.cat([c[1][row] for c in calls], dim=1)[:, width - len(p):], v_rot)  # real tokens
             state = cache.store.sequence_state(row, layer)
             assert torch.equal(state["k_window"], k[:, n_q:]) and torch.equal(state["v_window"], v[:, n_q:])
             store = state_from_blocks(state, n_q)

@@ -77,21 +77,33 @@ def test_run_kivi_matches_the_torch_runtime(ckpts, capsys, kv):
         assert got == text
 
 
-def test_eval_json_runs_on_qwen2(ckpts, tmp_path, capsys):
-    folder, _ = ckpts
+def _eval(model, tmp_path, capsys) -> dict:
+    """`eval --json` of fp16 and kivi2 (R=32) on one 200-token segment: the quality configs."""
     (tmp_path / "t.txt").write_text("To be, or not to be, that is the question. " * 20)
-    rc = cli.main(["eval", "--model", str(folder), "--text", str(tmp_path / "t.txt"), "--kv", "fp16,kivi2",
+    rc = cli.main(["eval", "--model", str(model), "--text", str(tmp_path / "t.txt"), "--kv", "fp16,kivi2",
                    "--segments", "1", "--segment-len", "200", "--prefix", "100", "--tasks", "ppl", "--json",
                    "--no-progress", "--residual-length", "32"])
     assert rc == 0
     q = json.loads(capsys.readouterr().out)["quality"]["configs"]
     assert q["fp16"]["scored_tokens"] == q["kivi2"]["scored_tokens"] == 200 - 1 - 100
     assert q["kivi2"]["kl_mean"] > 0 and q["fp16"]["ppl"] > 1
+    return q
 
 
-def test_build_and_run_engine(ckpts, tmp_path, capsys):
+def test_eval_json_runs_on_qwen2_in_both_formats(ckpts, tmp_path, capsys):
+    """eval runs from the HF folder and from the GGUF file; the F32 GGUF holds the folder's weights and tokenizer,
+    so both report the same PPL and KL."""
+    a, b = (_eval(model, tmp_path, capsys) for model in ckpts)
+    for kv in ("fp16", "kivi2"):
+        assert a[kv]["ppl"] == pytest.approx(b[kv]["ppl"], rel=1e-4), kv
+    assert a["kivi2"]["kl_mean"] == pytest.approx(b["kivi2"]["kl_mean"], rel=1e-3, abs=1e-6)
+
+
+@pytest.mark.parametrize("fmt", [0, 1], ids=["hf-folder", "gguf"])
+def test_build_and_run_engine(ckpts, tmp_path, capsys, fmt):
     """The exported graph carries the biases (Gemm with C); the build's onnxruntime check passes against the torch
-    runtime; `run --engine` generates what the torch runtime generates on the build's fp16 reference model."""
+    runtime; `run --engine` generates what the torch runtime generates on the build's fp16 reference model. From
+    the HF folder and from the GGUF file alike."""
     import onnx
 
     from trtllm_kivi.builder import check as check_mod
@@ -102,7 +114,7 @@ def test_build_and_run_engine(ckpts, tmp_path, capsys):
     from trtllm_kivi.runtime.select import load_runner
     from trtllm_kivi.runtime.torch_runner import TorchRunner
 
-    folder, _ = ckpts
+    folder = ckpts[fmt]
     out = tmp_path / "qwen2-kivi"
     assert cli.main(["build", "--model", str(folder), "-o", str(out), *SMALL]) == 0
     conf = json.loads((out / "build_config.json").read_text())

@@ -73,10 +73,33 @@ def engine_dir(tmp_path_factory):
     return build_tiny_engine(tmp_path_factory.mktemp("tiny_build"))
 
 
+QWEN2_MODEL, QWEN2_ENGINE = "tiny_qwen2", "tiny_qwen2_engine"
+QWEN2_KV = ["--kv", "kivi2", "--residual-length", "16"]  # R + G = 48: the requests below read quantized history
+QWEN2_MAXIMA = ["--max-batch-size", "3", "--max-seq-len", "128", "--max-num-tokens", "64"]
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, engine_dir):
-    """One server, two models: the default model through the torch runner (repository written by the Python API)
-    and a build folder through the builder's runner factory (written by `trtllm-kivi triton --engine`)."""
+def qwen2_dirs(tmp_path_factory):
+    """(checkpoint, build folder) of a random tiny Qwen2 (models.tiny's TINY_QWEN2_CONFIG: q/k/v biases, rope theta
+    1e6, GQA 7:1; byte tokenizer; wide init; no EOS id so every request runs to max_tokens) and its `trtllm-kivi
+    build` (KIVI-2, R=16; the ONNX graph carries the biases)."""
+    from trtllm_kivi.cli import main
+    from trtllm_kivi.models.tiny import WIDE_INIT, write_tiny_qwen2_checkpoint
+
+    folder = tmp_path_factory.mktemp("qwen2")
+    ckpt = write_tiny_qwen2_checkpoint(folder / "tiny-qwen2", seed=5, init=WIDE_INIT, max_position_embeddings=512,
+                                       bos_token_id=None, eos_token_id=None)
+    out = folder / "build"
+    assert main(["build", "--model", str(ckpt), "-o", str(out), "--dtype", "float32", "--check-steps", "0",
+                 "--quiet", *QWEN2_MAXIMA, *QWEN2_KV]) == 0
+    return ckpt, out
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, engine_dir, qwen2_dirs):
+    """One server, four models: the default model through the torch runner (repository written by the Python API),
+    a build folder through the builder's runner factory (written by `trtllm-kivi triton --engine`), and a tiny Qwen2
+    both ways (`trtllm-kivi triton --model` of its Hugging Face folder, `--engine` of its build)."""
     from trtllm_kivi.cli import main
     from trtllm_kivi.models import resolve_model
     from trtllm_kivi.serving.config import ServingConfig
@@ -89,6 +112,11 @@ def server(tmp_path_factory, engine_dir):
     write_repository(repo, cfg, MODEL)
     assert main(["triton", "--engine", engine_dir, "-o", str(repo), "--name", ENGINE_MODEL, "--num-threads", "1",
                  "--prefill-chunk", "32"]) == 0
+    qwen2_ckpt, qwen2_build = qwen2_dirs
+    assert main(["triton", "--model", str(qwen2_ckpt), "-o", str(repo), "--name", QWEN2_MODEL, "--num-threads", "1",
+                 "--prefill-chunk", "32", "--dtype", "float32", *QWEN2_MAXIMA, *QWEN2_KV]) == 0
+    assert main(["triton", "--engine", str(qwen2_build), "-o", str(repo), "--name", QWEN2_ENGINE, "--num-threads",
+                 "1", "--prefill-chunk", "32"]) == 0
     srv = TritonServer(repo, TRITON_ENV, log_file=tmp_path_factory.mktemp("triton_log") / "tritonserver.log")
     try:
         srv.start(timeout=240)
@@ -354,3 +382,39 @@ def test_build_folder_model_matches_offline_factory(server, engine_dir):
         assert got[str(i)]["error"] is None and got[str(i)]["ids"] == ref.tokens
     bad = stream_requests(server, [{"input_ids": list(range(100)), "max_tokens": [40]}], model=ENGINE_MODEL)["0"]
     assert "needs 139 cache positions; a sequence holds at most max_seq_len=128" in bad["error"]
+
+
+def test_qwen2_checkpoint_and_build_match_offline(server, qwen2_dirs):
+    """A Qwen2 checkpoint (q/k/v biases) served by Triton equals the offline runners token for token: its Hugging
+    Face folder through the torch runner (TorchRunner over the same KIVI-2 cache, R=16) and its build folder through
+    the builder's runner factory (runtime.select.load_runner). Prompt + output pass R + G = 48 tokens."""
+    import torch
+
+    from trtllm_kivi.models import load_model
+    from trtllm_kivi.runtime.generate import SamplingParams, generate
+    from trtllm_kivi.runtime.kvspec import parse_kv
+    from trtllm_kivi.runtime.select import load_runner
+    from trtllm_kivi.runtime.torch_runner import TorchRunner
+
+    torch.set_num_threads(1)  # as the served models (--num-threads 1)
+    ckpt, build = qwen2_dirs
+    model, tok, mc = load_model(str(ckpt))
+    assert mc.qkv_bias and mc.n_heads == 7 * mc.n_kv_heads  # a Qwen2 config: q/k/v biases, GQA 7:1
+    text = "Qwen2 meets KIVI through Triton"
+    prompts = [tok.encode(text), list(range(40, 90)), list(range(3, 12))]
+    n = [30, 24, 45]
+    got = stream_requests(server, [{"text_input": [text], "max_tokens": [n[0]], "stream": [True]}]
+                          + [{"input_ids": p, "max_tokens": [k]} for p, k in zip(prompts[1:], n[1:], strict=True)],
+                          model=QWEN2_MODEL)
+    engine = stream_requests(server, [{"input_ids": p, "max_tokens": [k]} for p, k in zip(prompts, n, strict=True)],
+                             model=QWEN2_ENGINE)
+    for i, (p, k) in enumerate(zip(prompts, n, strict=True)):
+        params = SamplingParams(max_new_tokens=k)
+        runner = TorchRunner.create(model, parse_kv("kivi2", residual_length=16), 1, 128)
+        ref = generate(runner, [p], params, tok, prefill_chunk=32)[0]
+        assert len(ref.tokens) == k and len(set(ref.tokens)) > 3  # no early stop, not one repeated token
+        assert got[str(i)]["error"] is None and got[str(i)]["ids"] == ref.tokens, (i, got[str(i)], ref.tokens)
+        engine_runner, _ = load_runner(str(build), threads=1)
+        ref_engine = generate(engine_runner, [p], params, tok, prefill_chunk=32)[0]
+        assert engine[str(i)]["error"] is None and engine[str(i)]["ids"] == ref_engine.tokens, (i, engine[str(i)])
+    assert got["0"]["text"] == tok.decode(got["0"]["ids"]) and got["0"]["responses"] >= n[0]

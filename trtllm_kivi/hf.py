@@ -18,6 +18,10 @@ update returns, per row, the stored state *before* the chunk (dequantized histor
 makes the query at position t attend to the stored state and to chunk tokens s..t — the attend-then-append rule.
 Then the chunk is appended to our cache (its attention output is discarded: the store is written by the op itself).
 For an unquantized FullCache of another dtype (fp16 for an fp32 model) the chunk is returned as that cache stores it.
+Recipes (issue 9: `kivi2+sink4+had`, per-layer `had:k@...`): sinks live in the store; a layer's Hadamard rotation
+is applied here as this project's model applies it around the op (format.py): the chunk's K (V) is stored as kH
+(vH), and the history handed back is rotated back (x H^T), so transformers' unrotated q sees q.(k^ H^T) = (qH).k^,
+the score the rotated op computes, and its attention output is the op's output rotated back.
 
 Padding. The 2-D attention_mask the model receives (generate passes it; a forward loop passes its own) is read by a
 forward pre-hook on the model's decoder: only columns with mask 1 enter the cache, so a left-padded batch stores
@@ -39,6 +43,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .cache import FullCache, Step
 from .cache import KiviCache as StreamingKiviCache
 from .format import Geometry
+from .reference.rotation import rotate, unrotate
 from .runtime.kvspec import KVSpec, parse_kv
 
 _HOOK_ATTR = "_trtllm_kivi_mask_hook"
@@ -144,8 +149,9 @@ class KiviCache(Cache):
     """A transformers Cache storing K/V in this project's KIVI format (see the module docstring).
 
     model: the transformers model it will be used with (a forward pre-hook on its decoder reads the attention mask).
-    kv: a --kv name (kivi2, kivi4, k4v2, naive2, fp16, bf16, fp32) or a runtime.kvspec.KVSpec; knobs (k_bits,
-        v_bits, group_size, residual_length, block_size, scale_dtype) override a KIVI spec as the CLI flags do.
+    kv: a --kv name or recipe (kivi2, kivi4, k4v2, naive2, kivi2+sink4+had, ..., fp16, bf16, fp32) or a
+        runtime.kvspec.KVSpec; knobs (k_bits, v_bits, group_size, residual_length, block_size, scale_dtype) override
+        a KIVI spec as the CLI flags do. A per-layer rotation (`had:k@1-29`) is sized to the model's layers.
     max_seq_len: columns per row the store is allocated for (default: the model's max_position_embeddings).
     backend: the KIVI store's attention backend (trtllm_kivi.cache BACKENDS; None: its default for the device).
     """
@@ -154,7 +160,7 @@ class KiviCache(Cache):
                  backend: str | None = None, **knobs: Any) -> None:
         self.geometry = model_geometry(model)
         super().__init__(layers=[_Layer(self, i) for i in range(self.geometry.num_layers)])
-        self.spec = kv if isinstance(kv, KVSpec) else parse_kv(kv, **knobs)
+        self.spec = kv if isinstance(kv, KVSpec) else parse_kv(kv, num_layers=self.geometry.num_layers, **knobs)
         if isinstance(kv, KVSpec) and knobs:
             raise ValueError(f"KiviCache: pass knobs {sorted(knobs)} in the KVSpec, not next to it")
         self.max_seq_len = max_seq_len or getattr(_text_config(model), "max_position_embeddings", None) or 4096
@@ -259,11 +265,12 @@ class KiviCache(Cache):
         assert store is not None and real is not None
         out_k = k.new_zeros(b, hkv, self.columns + c, d)
         out_v = v.new_zeros(b, hkv, self.columns + c, d)
+        k_rot, v_rot = store.rotations(layer)  # what the model applies around the op ("none" for FullCache)
         for row in range(b):  # the stored state before this chunk, at the columns its tokens came from
             if len(self._cols[row]):
-                kh, vh = store.dequantized(row, layer)  # [Hkv, s, D]
-                out_k[row][:, self._cols[row]] = kh.to(k.dtype)
-                out_v[row][:, self._cols[row]] = vh.to(v.dtype)
+                kh, vh = store.dequantized(row, layer)  # [Hkv, s, D], rotated where the layer rotates
+                out_k[row][:, self._cols[row]] = unrotate(kh, k_rot).to(k.dtype)
+                out_v[row][:, self._cols[row]] = unrotate(vh, v_rot).to(v.dtype)
         if isinstance(store, FullCache):  # the chunk as an unquantized cache of its dtype holds it
             out_k[:, :, self.columns:] = k.to(store.dtype).to(k.dtype)
             out_v[:, :, self.columns:] = v.to(store.dtype).to(v.dtype)
@@ -271,8 +278,8 @@ class KiviCache(Cache):
             out_k[:, :, self.columns:] = k
             out_v[:, :, self.columns:] = v
         # Append the real tokens through the op (attend, then append); its output is not needed.
-        kf = k.transpose(1, 2)[real]  # [tokens, Hkv, D], rows concatenated as the step lists them
-        vf = v.transpose(1, 2)[real]
+        kf = rotate(k.transpose(1, 2)[real], k_rot)  # [tokens, Hkv, D], rows concatenated as the step lists them
+        vf = rotate(v.transpose(1, 2)[real], v_rot)
         q = kf.new_zeros(kf.shape[0], self.geometry.num_heads, d)
         store.attention(layer, q.contiguous(), kf.contiguous(), vf.contiguous(), self._step)
         self._next_layer = layer + 1
