@@ -2,7 +2,8 @@
 
 `kivi_attention_cpu_` has the signature and semantics of trtllm_kivi.reference.kivi_attention_ (attend, then append;
 buffers updated in place; returns out [tokens, H, D]) for head_dim 64/128, fp32/fp16/bf16 activations, every
-KiviConfig (2/4/8 bits, G 32/64/128, per_channel/per_token keys, fp16/bf16/fp32 scales).
+KiviConfig (2/4/8 bits, G 32/64/128, per_channel/per_token keys, fp16/bf16/fp32 scales, sink_tokens 0..128; a
+rotation is applied outside the op, so the op never sees it).
 `full_attention_cpu_` is the unquantized cache's step (cache.FullCache.attention): write the chunk into the dense
 K/V cache [slots, Hkv, max_seq_len, D] (converted to its dtype), then attend over rows [0, past + chunk).
 
@@ -83,6 +84,7 @@ def make_params(q, k, v, out, slot_ids, past_len, chunk_len, block_table, buffer
     p.residualLength, p.blockSize = cfg.residual_length, cfg.block_size
     p.scaleDtype = _abi.DTYPE_CODES[cfg.scale_dtype]
     p.keyGrouping = SUPPORTED_KEY_GROUPINGS.index(cfg.key_grouping)
+    p.sinkTokens = cfg.sink_tokens
     p.actDtype = _DTYPE_CODES[q.dtype]
     p.batch, p.numTokens = slot_ids.shape[0], tokens
     p.numBlocks, p.numSlots, p.maxBlocksPerSeq = num_blocks, buffers.k_window.shape[0], block_table.shape[1]
@@ -97,18 +99,18 @@ def _threads(threads: int | None) -> int:
     return torch.get_num_threads() if threads is None else int(threads)
 
 
-# The code layout plugins/cpu reads and writes: FORMAT_VERSION 1's LINEAR order (K packed along tokens, V along
-# channels). FORMAT_VERSION 3 stores per-channel K and all V codes in FRAGMENT order (format.py); until the native
-# CPU kernels are ported, the KIVI op refuses to run on them (the dense path, full_attention_cpu_, is unaffected).
-CODE_LAYOUT_VERSION = 1
+# The code layout plugins/cpu reads and writes (the library reports it: kiviCpuFormatVersion): FORMAT_VERSION 3's
+# FRAGMENT order for per-channel K and all V codes, with sinks. When format.py's FORMAT_VERSION moves on, the KIVI op
+# refuses to run until the native kernels are ported (the dense path, full_attention_cpu_, is unaffected).
+CODE_LAYOUT_VERSION = 3
 
 
 def kivi_layout_mismatch() -> str | None:
     """Why the native CPU KIVI op cannot read this package's stores (None: it can)."""
     if CODE_LAYOUT_VERSION == FORMAT_VERSION:
         return None
-    return (f"the native CPU KIVI kernels (plugins/cpu) read the FORMAT_VERSION {CODE_LAYOUT_VERSION} LINEAR code "
-            f"layout; this package stores FORMAT_VERSION {FORMAT_VERSION} (FRAGMENT order): not ported yet")
+    return (f"the native CPU KIVI kernels (plugins/cpu) read the FORMAT_VERSION {CODE_LAYOUT_VERSION} code layout; "
+            f"this package stores FORMAT_VERSION {FORMAT_VERSION}: not ported yet")
 
 
 def kivi_attention_cpu_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tensor,

@@ -97,6 +97,25 @@ struct S
         res = _mm256_blendv_ps(res, _mm256_setzero_ps(), under);
         return _mm256_blendv_ps(res, x, nan);
     }
+    // FRAGMENT order (kiviCpuKernel.h): the 8 words p[0], p[STRIDE], ..., p[7 STRIDE] (lanes gq = 0..7 of a tile).
+    using WS = __m256i;
+    template <int STRIDE>
+    static WS loadWords(const int32_t* p)
+    {
+        const __m256i idx = _mm256_setr_epi32(0, STRIDE, 2 * STRIDE, 3 * STRIDE, 4 * STRIDE, 5 * STRIDE, 6 * STRIDE,
+            7 * STRIDE);
+        return _mm256_i32gather_epi32(p, idx, 4);
+    }
+    // Vector v (par) of the codes at bit `shift + BITS v` of the 8 words, as floats.
+    template <int BITS>
+    static F decodeFrag(WS ws, int shift, int v)
+    {
+        const int sh = shift + BITS * v;
+        const __m256i c = _mm256_srli_epi32(ws, sh);
+        if (sh == 32 - BITS) // the top code needs no mask
+            return _mm256_cvtepi32_ps(c);
+        return _mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32((1 << BITS) - 1)));
+    }
     // Lane i = code (part * 8 + i) of the sequence whose word j is p[j * stride] (32 / BITS codes per word).
     template <int BITS>
     static F decode(const int32_t* p, int stride, int part)

@@ -90,6 +90,26 @@ struct S
         res = _mm512_mask_mov_ps(res, under, _mm512_setzero_ps());
         return _mm512_mask_mov_ps(res, nan, x);
     }
+    // FRAGMENT order (kiviCpuKernel.h): the 8 words p[0], p[STRIDE], ..., p[7 STRIDE] (lanes gq = 0..7 of a tile), in
+    // both 256-bit halves.
+    using WS = __m512i;
+    template <int STRIDE>
+    static WS loadWords(const int32_t* p)
+    {
+        const __m256i idx = _mm256_setr_epi32(0, STRIDE, 2 * STRIDE, 3 * STRIDE, 4 * STRIDE, 5 * STRIDE, 6 * STRIDE,
+            7 * STRIDE);
+        const __m256i w = _mm256_i32gather_epi32(p, idx, 4);
+        return _mm512_inserti64x4(_mm512_castsi256_si512(w), w, 1);
+    }
+    // The 16 codes: lanes 0..7 at bit `shift` of the 8 words (par 0), lanes 8..15 at shift + BITS (par 1); v = 0.
+    template <int BITS>
+    static F decodeFrag(WS ws, int shift, int /*v*/)
+    {
+        const __m512i sh = _mm512_add_epi32(_mm512_set1_epi32(shift),
+            _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(BITS), 1));
+        const __m512i c = _mm512_srlv_epi32(ws, sh);
+        return _mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32((1 << BITS) - 1)));
+    }
     template <int BITS>
     static F decode(const int32_t* p, int stride, int part)
     {

@@ -101,6 +101,28 @@ struct S
     }
     static float scale(const void* base, int64_t i, int32_t dtype) { return loadScalar(base, i, dtype); }
     static F exp(F x);
+    // FRAGMENT order (kiviCpuKernel.h): the 8 words p[0], p[STRIDE], ..., p[7 STRIDE] (lanes gq = 0..7 of a tile).
+    struct WS
+    {
+        uint32_t w[8];
+    };
+    template <int STRIDE>
+    static WS loadWords(const int32_t* p)
+    {
+        WS r;
+        for (int i = 0; i < 8; ++i)
+            r.w[i] = uint32_t(p[i * STRIDE]);
+        return r;
+    }
+    // Vector v of the 16 codes at `shift` (lanes 0..7 = words 0..7) and shift + BITS (the next 8): W = 8, v = par.
+    template <int BITS>
+    static F decodeFrag(const WS& ws, int shift, int v)
+    {
+        F r;
+        for (int i = 0; i < W; ++i)
+            r.v[i] = float((ws.w[i] >> (shift + BITS * v)) & ((1u << BITS) - 1));
+        return r;
+    }
     template <int BITS>
     static F decode(const int32_t* p, int stride, int part)
     {

@@ -7,10 +7,19 @@
 // (decode: partials stored, merged by mergeItem) or all splits of a query tile in order (prefill); both run the
 // same per-split function and the same merge, so they give the same bits.
 //
-// Keys/values are read straight from the store: per-channel K codes are decoded kK_TILE tokens at a time (tokens in
+// Keys/values are read straight from the store: per-channel K codes are decoded one 16-token tile at a time (tokens in
 // SIMD lanes) against q pre-multiplied by the group's per-channel scale (score = sum_d (q_d s_d) c_td + sum_d q_d z_d);
 // per-token V codes are decoded channels-in-lanes and accumulated with p_t * scale, the zero term p_t * z once per
 // group. Nothing but one tile's scores lives in scratch.
+//
+// FRAGMENT order (format.py, FORMAT_VERSION 3; format.fragment_coord is the definition): a 16-token tile is 32 lanes
+// L = 4 gq + tq of nw = D * bits / 64 words; word j of lane L holds at bits [16 h + bits (2 pp + par), + bits) the
+// code of (with pi = j (16 / bits) + 2 pp + par, since 16 / bits is even par = pi & 1):
+//   keys:   token gq + 8 par,                        channel 8 (j (8 / bits) + pp) + 2 tq + h
+//   values: token 8 ((pi >> 1) & 1) + 2 tq + h,      channel 16 (pi >> 2) + 8 par + gq
+// So the 8 words of lanes gq = 0..7 with the same (tq, j) (a stride-4 nw gather, S::loadWords) hold, at one shift, 8
+// consecutive tokens of one key channel or 8 consecutive channels of one value token, and at shift + bits the next 8
+// (par = 1): one shift + mask + convert per 16 codes (S::decodeFrag), the same work as a linear order.
 //
 // Requires before inclusion: namespace trtllm_kivi::cpu::<isa> { struct S; } with the ops used below.
 
@@ -64,14 +73,14 @@ struct Attn
         float* qf;     // [rows, D] q * 1/sqrt(D)
         float* qs;     // [rows, D] qf * per-channel key scale of the current group
         float* cz;     // [rows]    sum_d qf * key zero
-        float* scores; // [rows, kSPLIT_LEN + W] scores, then p
+        float* scores; // [rows, kSCORE_STRIDE] scores, then p
         float* acc;    // [rows, D]
         float* zacc;   // [rows, 8] per value group: sum_t p_t * zero
-        float* coef;   // [4, rows, kSPLIT_LEN + 16] p_t * value scale of token t, per value group
+        float* coef;   // [4, rows, kSCORE_STRIDE] p_t * value scale of token t, per value group
         float* state;  // [rows, D + 2] running (m, l, acc) of a sequential item
         float* part;   // [rows, D + 2] one split's partial
-        float* kdeq;   // [4, kSPLIT_LEN + 16] a dequantized per-token key row / value scales (group-major)
-        float* vsz;    // [4, kSPLIT_LEN + 16] value zeros (group-major)
+        float* kdeq;   // [4, kSCORE_STRIDE] a dequantized per-token key row / value scales (group-major)
+        float* vsz;    // [4, kSCORE_STRIDE] value zeros (group-major)
         float* ksc;    // [D] per-channel key scale of the current group
         float* kzr;    // [D]
     };
@@ -83,21 +92,21 @@ struct Attn
         s.qs = s.qf + rows * D;
         s.cz = s.qs + rows * D;
         s.scores = s.cz + rows + 16;
-        s.acc = s.scores + int64_t(rows) * (kSPLIT_LEN + 16);
+        s.acc = s.scores + int64_t(rows) * kSCORE_STRIDE;
         s.zacc = s.acc + rows * D;
         s.coef = s.zacc + rows * 8;
-        s.state = s.coef + int64_t(4) * rows * (kSPLIT_LEN + 16);
+        s.state = s.coef + int64_t(4) * rows * kSCORE_STRIDE;
         s.part = s.state + rows * (D + 2);
         s.kdeq = s.part + rows * (D + 2);
-        s.vsz = s.kdeq + 4 * (kSPLIT_LEN + 16);
-        s.ksc = s.vsz + 4 * (kSPLIT_LEN + 16);
+        s.vsz = s.kdeq + 4 * kSCORE_STRIDE;
+        s.ksc = s.vsz + 4 * kSCORE_STRIDE;
         s.kzr = s.ksc + D;
         return s;
     }
 
     static constexpr int scoreStride()
     {
-        return kSPLIT_LEN + 16;
+        return kSCORE_STRIDE;
     }
 
     // q rows of a tile: row = i * grp + j is query position past + pos0 + i, head kvHead * grp + j.
@@ -113,42 +122,52 @@ struct Attn
             }
     }
 
-    // Scores of per-channel quantized keys: one kK_TILE-token tile for NR rows (accumulators stay in registers).
+    // Scores of per-channel quantized keys: one 16-token fragment tile `tw` for NR rows (accumulators in registers).
     template <int BITS, int NR>
-    static void keyTile(const int32_t* wp, const float* qs, const float* cz, float* scores)
+    static void keyTile(const int32_t* tw, const float* qs, const float* cz, float* scores)
     {
-        // two accumulator sets (even / odd channels) when registers allow: the fma latency chain is halved
+        constexpr int NW = D * BITS / 64; // words per lane
+        constexpr int PP = 8 / BITS;      // code pairs per half word
+        // two accumulator sets (h = 0 / 1: even / odd channels) when registers allow: the fma chain is halved
         constexpr int NA = (NR * KV <= 6) ? 2 : 1;
         typename S::F acc[NA][NR][KV];
         for (int h = 0; h < NA; ++h)
             for (int i = 0; i < NR; ++i)
                 for (int v = 0; v < KV; ++v)
                     acc[h][i][v] = h == 0 ? S::set1(cz[i]) : S::zero();
-        for (int d = 0; d < D; d += NA)
-            for (int h = 0; h < NA; ++h)
+        for (int tq = 0; tq < 4; ++tq)
+            for (int j = 0; j < NW; ++j)
             {
-                typename S::F code[KV];
-                for (int v = 0; v < KV; ++v)
-                    code[v] = S::template decode<BITS>(wp + d + h, D, v);
-                for (int i = 0; i < NR; ++i)
-                {
-                    const typename S::F qd = S::set1(qs[i * D + d + h]);
-                    for (int v = 0; v < KV; ++v)
-                        acc[h][i][v] = S::fma(qd, code[v], acc[h][i][v]);
-                }
+                const typename S::WS ws = S::template loadWords<4 * NW>(tw + tq * NW + j);
+                for (int h = 0; h < 2; ++h)
+                    for (int pp = 0; pp < PP; ++pp)
+                    {
+                        const int ch = 8 * (j * PP + pp) + 2 * tq + h;
+                        typename S::F code[KV];
+                        for (int v = 0; v < KV; ++v)
+                            code[v] = S::template decodeFrag<BITS>(ws, 16 * h + 2 * BITS * pp, v);
+                        for (int i = 0; i < NR; ++i)
+                        {
+                            const typename S::F qd = S::set1(qs[i * D + ch]);
+                            for (int v = 0; v < KV; ++v)
+                                acc[h % NA][i][v] = S::fma(qd, code[v], acc[h % NA][i][v]);
+                        }
+                    }
             }
         for (int i = 0; i < NR; ++i)
             for (int v = 0; v < KV; ++v)
-                S::store(scores + int64_t(i) * scoreStride() + v * W, NA == 2 ? S::add(acc[0][i][v], acc[NA - 1][i][v]) : acc[0][i][v]);
+                S::store(scores + int64_t(i) * scoreStride() + v * W,
+                    NA == 2 ? S::add(acc[0][i][v], acc[NA - 1][i][v]) : acc[0][i][v]);
     }
 
-    // Scores of per-channel quantized keys [t0, t0 + G) (one group, one block) for all rows.
+    // Scores of per-channel quantized keys [t0, t0 + G) (positions; one group, one block) for all rows.
     template <int BITS>
     static void scoresPerChannel(const Ctx& c, const SeqPlan& sp, int g, int rows, int t0, int a, Scratch& s)
     {
-        constexpr int CPW = 32 / BITS;
-        const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + t0 / c.BS];
-        const int32_t r = t0 % c.BS;
+        constexpr int TILE_WORDS = 16 * D * BITS / 32;
+        const int32_t j0 = t0 - sp.sink; // store index of the group's first token
+        const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + j0 / c.BS];
+        const int32_t r = j0 % c.BS;
         const int64_t sOff = ((int64_t(blk) * c.Hkv + g) * (c.BS / c.G) + r / c.G) * D;
         for (int n = 0; n < NV; ++n)
         {
@@ -168,10 +187,10 @@ struct Attn
             }
             s.cz[row] = S::hsum(z);
         }
-        const int32_t* words = c.kCodes + (int64_t(blk) * c.Hkv + g) * (c.BS / CPW) * D;
+        const int32_t* words = c.kCodes + (int64_t(blk) * c.Hkv + g) * int64_t(c.BS / 16) * TILE_WORDS;
         for (int t1 = t0; t1 < t0 + c.G; t1 += kK_TILE)
         {
-            const int32_t* wp = words + int64_t((r + t1 - t0) / CPW) * D; // first word row of the tile
+            const int32_t* tw = words + int64_t((r + t1 - t0) / 16) * TILE_WORDS; // the tile's words
             for (int r0 = 0; r0 < rows; r0 += RB)
             {
                 const float* qs = s.qs + r0 * D;
@@ -179,10 +198,10 @@ struct Attn
                 float* sc = s.scores + int64_t(r0) * scoreStride() + (t1 - a);
                 switch (imin(RB, rows - r0))
                 {
-                case 1: keyTile<BITS, 1>(wp, qs, cz, sc); break;
-                case 2: keyTile<BITS, 2>(wp, qs, cz, sc); break;
-                case 3: keyTile<BITS, 3>(wp, qs, cz, sc); break;
-                default: keyTile<BITS, 4>(wp, qs, cz, sc); break;
+                case 1: keyTile<BITS, 1>(tw, qs, cz, sc); break;
+                case 2: keyTile<BITS, 2>(tw, qs, cz, sc); break;
+                case 3: keyTile<BITS, 3>(tw, qs, cz, sc); break;
+                default: keyTile<BITS, 4>(tw, qs, cz, sc); break;
                 }
             }
         }
@@ -193,8 +212,9 @@ struct Attn
     static void scorePerToken(const Ctx& c, const SeqPlan& sp, int g, int rows, int t, int a, Scratch& s)
     {
         constexpr int CPW = 32 / BITS;
-        const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + t / c.BS];
-        const int32_t r = t % c.BS;
+        const int32_t jq = t - sp.sink; // store index (LINEAR order for per-token keys)
+        const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + jq / c.BS];
+        const int32_t r = jq % c.BS;
         const int64_t rowIdx = (int64_t(blk) * c.Hkv + g) * c.BS + r;
         const int32_t* words = c.kCodes + rowIdx * (D / CPW);
         const int ng = D / c.Gv;
@@ -279,38 +299,55 @@ struct Attn
     static constexpr int QNC = 32 / W; // quantized value vectors per register block: 32 channels, inside one group
     static constexpr int QRB = 3;      // rows per quantized value block (3 x QNC accumulators + code + coefs)
 
-    // acc[NR rows][QNC vectors of channels n0..] += coef[row][t] * code(t) over quantized values [t0, t1).
+    // acc[NR rows][QNC vectors: channels 32 k .. 32 k + 31] += coef[row][t] * code(t) over quantized values [t0, t1)
+    // (positions; whole tiles). In FRAGMENT order those channels are the words j in [k bits / 2, (k + 1) bits / 2) of
+    // every lane (pi in [8 k, 8 k + 8)).
     template <int BITS, int NR>
-    static void valueBlock(const Ctx& c, const SeqPlan& sp, int g, int t0, int t1, int n0, const float* coef,
+    static void valueBlock(const Ctx& c, const SeqPlan& sp, int g, int t0, int t1, int k, const float* coef,
         float* acc)
     {
-        constexpr int CPW = 32 / BITS;
+        constexpr int NW = D * BITS / 64, PP = 8 / BITS, JPC = BITS / 2, VPB = 16 / W; // VPB: vectors per 16 ch
+        constexpr int TILE_WORDS = 16 * D * BITS / 32;
         typename S::F a[NR][QNC];
         for (int i = 0; i < NR; ++i)
             for (int j = 0; j < QNC; ++j)
-                a[i][j] = S::load(acc + i * D + (n0 + j) * W);
+                a[i][j] = S::load(acc + i * D + 32 * k + j * W);
         const int64_t headBase = int64_t(sp.seq) * c.maxBlocks;
         for (int t = t0; t < t1;)
         {
-            const int32_t blk = c.blockTable[headBase + t / c.BS];
-            const int tEnd = imin(t1, (t / c.BS + 1) * c.BS);
-            const int32_t* words = c.vCodes + ((int64_t(blk) * c.Hkv + g) * c.BS + t % c.BS) * (D / CPW);
-            for (; t < tEnd; ++t, words += D / CPW)
-            {
-                typename S::F cf[NR];
-                for (int i = 0; i < NR; ++i)
-                    cf[i] = S::set1(coef[int64_t(i) * scoreStride() + t]);
-                for (int j = 0; j < QNC; ++j)
-                {
-                    const typename S::F code = S::template decode<BITS>(words, 1, n0 + j);
-                    for (int i = 0; i < NR; ++i)
-                        a[i][j] = S::fma(cf[i], code, a[i][j]);
-                }
-            }
+            const int jq = t - sp.sink; // store index
+            const int32_t blk = c.blockTable[headBase + jq / c.BS];
+            const int tEnd = imin(t1, t + (c.BS - jq % c.BS));
+            const int32_t* words = c.vCodes + (int64_t(blk) * c.Hkv + g) * int64_t(c.BS / 16) * TILE_WORDS
+                + int64_t(jq % c.BS / 16) * TILE_WORDS;
+            for (; t < tEnd; t += 16, words += TILE_WORDS)
+                for (int tq = 0; tq < 4; ++tq)
+                    for (int jj = 0; jj < JPC; ++jj)
+                    {
+                        const int j = k * JPC + jj;
+                        const typename S::WS ws = S::template loadWords<4 * NW>(words + tq * NW + j);
+                        for (int h = 0; h < 2; ++h)
+                            for (int pp = 0; pp < PP; ++pp)
+                            {
+                                const int pi = j * (16 / BITS) + 2 * pp;
+                                const int b16 = (pi >> 2) - 2 * k; // 16-channel block within the 32
+                                const int tok = 8 * ((pi >> 1) & 1) + 2 * tq + h;
+                                typename S::F cf[NR];
+                                for (int i = 0; i < NR; ++i)
+                                    cf[i] = S::set1(coef[int64_t(i) * scoreStride() + t + tok]);
+                                for (int v = 0; v < VPB; ++v)
+                                {
+                                    const typename S::F code
+                                        = S::template decodeFrag<BITS>(ws, 16 * h + 2 * BITS * pp, v);
+                                    for (int i = 0; i < NR; ++i)
+                                        a[i][b16 * VPB + v] = S::fma(cf[i], code, a[i][b16 * VPB + v]);
+                                }
+                            }
+                    }
         }
         for (int i = 0; i < NR; ++i)
             for (int j = 0; j < QNC; ++j)
-                S::store(acc + i * D + (n0 + j) * W, a[i][j]);
+                S::store(acc + i * D + 32 * k + j * W, a[i][j]);
     }
 
     // acc += p_t * dequant(v_t) for per-token quantized values t in [t0, t1): coef = p_t * scale per token and
@@ -324,9 +361,10 @@ struct Attn
         float* vzf = s.vsz;
         for (int t = t0; t < t1;)
         {
-            const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + t / c.BS];
-            const int tEnd = imin(t1, (t / c.BS + 1) * c.BS);
-            int64_t idx = ((int64_t(blk) * c.Hkv + g) * c.BS + t % c.BS) * ng;
+            const int jq = t - sp.sink; // store index
+            const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + jq / c.BS];
+            const int tEnd = imin(t1, t + (c.BS - jq % c.BS));
+            int64_t idx = ((int64_t(blk) * c.Hkv + g) * c.BS + jq % c.BS) * ng;
             for (; t < tEnd; ++t)
                 for (int gi = 0; gi < ng; ++gi, ++idx)
                 {
@@ -351,18 +389,18 @@ struct Attn
                 }
                 s.zacc[row * 8 + gi] += S::hsum(z);
             }
-        for (int n0 = 0; n0 < NV; n0 += QNC)
+        for (int k = 0; k < D / 32; ++k)
         {
-            const int gi = n0 * W / c.Gv;
+            const int gi = 32 * k / c.Gv;
             for (int r0 = 0; r0 < rows; r0 += QRB)
             {
                 const float* coef = s.coef + (int64_t(gi) * rows + r0) * scoreStride() - a;
                 float* acc = s.acc + r0 * D;
                 switch (imin(QRB, rows - r0))
                 {
-                case 1: valueBlock<BITS, 1>(c, sp, g, t0, t1, n0, coef, acc); break;
-                case 2: valueBlock<BITS, 2>(c, sp, g, t0, t1, n0, coef, acc); break;
-                default: valueBlock<BITS, 3>(c, sp, g, t0, t1, n0, coef, acc); break;
+                case 1: valueBlock<BITS, 1>(c, sp, g, t0, t1, k, coef, acc); break;
+                case 2: valueBlock<BITS, 2>(c, sp, g, t0, t1, k, coef, acc); break;
+                default: valueBlock<BITS, 3>(c, sp, g, t0, t1, k, coef, acc); break;
                 }
             }
         }
@@ -417,16 +455,18 @@ struct Attn
     static void splitPartial(const Ctx& c, const SeqPlan& sp, int g, int pos0, int npos, int split, Scratch& s)
     {
         const int rows = npos * c.grp;
-        const int a = split * kSPLIT_LEN;
+        const int a = splitStart(split, c.sinks);
         const int lastPos = sp.past + pos0 + npos - 1;
-        const int b = imin(imin(a + kSPLIT_LEN, sp.nKeys), lastPos + 1);
-        const int qend = imin(b, sp.nq);
+        const int b = imin(imin(splitStart(split + 1, c.sinks), sp.nKeys), lastPos + 1);
+        // positions: sinks [0, sink), quantized [sink, qEnd) (store index t - sink), ring [qEnd, past), chunk
+        const int qEnd = sp.sink + sp.nq;
+        const int qa = imax(a, sp.sink), qend = imin(b, qEnd); // quantized keys of this split (whole tiles)
         // 1. scores of keys [a, b)
-        if (a < qend)
+        if (qa < qend)
         {
             if (c.keyGrouping == 0)
             {
-                for (int t0 = a; t0 < qend; t0 += c.G)
+                for (int t0 = qa; t0 < qend; t0 += c.G)
                 {
                     switch (c.kBits)
                     {
@@ -438,7 +478,7 @@ struct Attn
             }
             else
             {
-                for (int t = a; t < qend; ++t)
+                for (int t = qa; t < qend; ++t)
                 {
                     switch (c.kBits)
                     {
@@ -449,16 +489,19 @@ struct Attn
                 }
             }
         }
-        const int winStart = imax(a, sp.nq), winEnd = imin(b, sp.past);
+        const int sinkEnd = imin(b, sp.sink);
+        const int winStart = imax(a, qEnd), winEnd = imin(b, sp.past);
         const int chStart = imax(a, sp.past);
         const int64_t headRow = int64_t(sp.slot) * c.Hkv + g;
-        auto winOff = [&](int t) { return (headRow * c.W + t % c.W) * D; };
+        auto winOff = [&](int t) { return (headRow * c.winRows + windowRowOf(t, c.sinks, c.W)) * D; };
         auto denseOff = [&](int t) { return (headRow * c.maxSeqLen + t) * D; };
         auto chunkOff = [&](int t) { return (int64_t(sp.tokOffset + t - sp.past) * c.Hkv + g) * D; };
         if (c.dense)
             scoresFull(c.kWin, c.cacheDtype, denseOff, rows, a, b, a, s);
         else
         {
+            if (a < sinkEnd)
+                scoresFull(c.kWin, c.actDtype, winOff, rows, a, sinkEnd, a, s);
             if (winStart < winEnd)
                 scoresFull(c.kWin, c.actDtype, winOff, rows, winStart, winEnd, a, s);
             if (chStart < b)
@@ -506,13 +549,13 @@ struct Attn
             for (int i = 0; i < 8; ++i)
                 s.zacc[row * 8 + i] = 0.0f;
         }
-        if (a < qend)
+        if (qa < qend)
         {
             switch (c.vBits)
             {
-            case 2: valuesQuantized<2>(c, sp, g, rows, a, qend, a, s); break;
-            case 4: valuesQuantized<4>(c, sp, g, rows, a, qend, a, s); break;
-            default: valuesQuantized<8>(c, sp, g, rows, a, qend, a, s); break;
+            case 2: valuesQuantized<2>(c, sp, g, rows, qa, qend, a, s); break;
+            case 4: valuesQuantized<4>(c, sp, g, rows, qa, qend, a, s); break;
+            default: valuesQuantized<8>(c, sp, g, rows, qa, qend, a, s); break;
             }
             for (int row = 0; row < rows; ++row)
                 for (int d = 0; d < D; ++d)
@@ -522,6 +565,8 @@ struct Attn
             valuesFull(c.vWin, c.cacheDtype, denseOff, rows, a, b, a, s);
         else
         {
+            if (a < sinkEnd)
+                valuesFull(c.vWin, c.actDtype, winOff, rows, a, sinkEnd, a, s);
             if (winStart < winEnd)
                 valuesFull(c.vWin, c.actDtype, winOff, rows, winStart, winEnd, a, s);
             if (chStart < b)
@@ -601,7 +646,7 @@ struct Attn
             return;
         }
         const int lastPos = sp.past + pos0 + npos - 1;
-        const int nSplits = lastPos / kSPLIT_LEN + 1; // splits starting at or before the tile's last position
+        const int nSplits = numSplitsOf(lastPos + 1, c.sinks); // splits starting at or before the last position
         for (int j = 0; j < nSplits; ++j)
         {
             splitPartial(c, sp, it.kvHead, pos0, npos, j, s);
