@@ -85,7 +85,9 @@ struct WorkItem
 // Per-thread scratch sizes (floats) for a tile of `rows` query rows.
 static inline int64_t scratchFloats(int32_t rows, int32_t D)
 {
-    return int64_t(rows) * (6 * D + 5 * kSCORE_STRIDE + 64) + 8 * kSCORE_STRIDE + 8 * D + 256;
+    // + the transposed fragment tiles of one split's quantized span (at most 8-bit codes: 4 D words per tile)
+    return int64_t(rows) * (6 * D + 5 * kSCORE_STRIDE + 64) + 8 * kSCORE_STRIDE + 8 * D + 256
+        + int64_t(kSPLIT_LEN / 16) * 4 * D + 64 + 8 * kSCORE_STRIDE + 64;
 }
 
 // ------------------------------------------------------------------------------------ exact scalar conversions
