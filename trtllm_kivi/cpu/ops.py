@@ -13,6 +13,8 @@ error); this module checks devices, dtypes, contiguity and shapes.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..format import FORMAT_VERSION, SUPPORTED_KEY_GROUPINGS, KiviConfig, buffer_shapes
@@ -60,7 +62,7 @@ def _check_step(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers: Ki
     for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
         if named[name].dtype != sdt:
             raise ValueError(f"{name} has dtype {named[name].dtype}; cfg.scale_dtype is {cfg.scale_dtype}")
-    expected = buffer_shapes(cfg, hkv, d, num_blocks, buffers.k_window.shape[0])
+    expected = _buffer_shapes(cfg, hkv, d, num_blocks, buffers.k_window.shape[0])
     for name, t in zip(buffers._fields, buffers, strict=True):
         if tuple(t.shape) != expected[name]:
             raise ValueError(f"buffer {name} has shape {tuple(t.shape)}, expected {expected[name]}")
@@ -70,6 +72,12 @@ def _check_step(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers: Ki
         raise ValueError(f"slot_ids/past_len/chunk_len must be [B] and block_table [B, max_blocks]; got "
                          f"{tuple(slot_ids.shape)}, {tuple(past_len.shape)}, {tuple(chunk_len.shape)}, "
                          f"{tuple(block_table.shape)}")
+
+
+@functools.lru_cache(maxsize=64)
+def _buffer_shapes(cfg: KiviConfig, hkv: int, d: int, num_blocks: int, num_slots: int) -> dict[str, tuple[int, ...]]:
+    """format.buffer_shapes, memoized: the op is called once per layer per step with the same geometry."""
+    return buffer_shapes(cfg, hkv, d, num_blocks, num_slots)
 
 
 def make_params(q, k, v, out, slot_ids, past_len, chunk_len, block_table, buffers: KiviBuffers, cfg: KiviConfig,
