@@ -253,6 +253,27 @@ def test_bad_inputs_raise_and_corrupt_nothing(mutate, match) -> None:
 
 
 @needs_layout
+def test_unchecked_call_matches_checked_and_still_checks_qkv() -> None:
+    """check=False (the cache's own calls: it allocated the buffers) gives the same bits and still refuses bad q/k/v
+    and bad lengths (the library validates those)."""
+    run = Run(KiviConfig(), 4, 2, 64, torch.float32)
+    run.step([0, 1], [300, 2])
+    args = _one_step_args(run, [0, 1], [1, 1])
+    other = run.nat.clone()
+    a = kivi_attention_cpu_(*args, run.nat, run.cfg)
+    b = kivi_attention_cpu_(*args, other, run.cfg, check=False)
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(run.nat, other, strict=True))
+    bad = list(args)
+    bad[0] = bad[0].double()
+    with pytest.raises(ValueError, match="activation dtype"):
+        kivi_attention_cpu_(*bad, run.nat, run.cfg, check=False)
+    bad = list(args)
+    bad[3] = torch.tensor([0, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match="slot id 9 out of range"):
+        kivi_attention_cpu_(*bad, run.nat, run.cfg, check=False)
+
+
+@needs_layout
 def test_unsupported_geometry_and_isa() -> None:
     cfg = KiviConfig()
     bufs = KiviBuffers.allocate(cfg, 2, 96, 4, 2, torch.float32)

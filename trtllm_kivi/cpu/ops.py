@@ -125,18 +125,26 @@ def kivi_attention_cpu_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_
                         past_len: torch.Tensor, chunk_len: torch.Tensor, block_table: torch.Tensor,
                         buffers: KiviBuffers, cfg: KiviConfig, *, isa: str = "auto", threads: int | None = None,
                         phase: int = _abi.PHASE_STEP, out: torch.Tensor | None = None,
-                        lib: KiviCpuLibrary | None = None) -> torch.Tensor:
+                        lib: KiviCpuLibrary | None = None, check: bool = True) -> torch.Tensor:
     """Native CPU form of reference.kivi_attention_: updates `buffers` in place, returns out [tokens, H, D].
     Refused (ValueError) while the native code layout differs from FORMAT_VERSION (kivi_layout_mismatch).
 
     isa: "auto" (best the CPU has; $TRTLLM_KIVI_CPU_ISA overrides), "portable", "avx2" or "avx512" (forced; an
     unsupported one raises ValueError). threads: worker threads (default torch.get_num_threads(); results are
-    bit-identical for any value). phase: _abi.PHASE_STEP (attend, then append), PHASE_ATTENTION or PHASE_APPEND."""
+    bit-identical for any value). phase: _abi.PHASE_STEP (attend, then append), PHASE_ATTENTION or PHASE_APPEND.
+    check=False skips the Python checks of the cache buffers (devices, dtypes, shapes: a caller that allocated them
+    itself, like cache.KiviCache, once per layer per step) but not those of q/k/v; the library still validates the
+    lengths, slots and block ids."""
     why = kivi_layout_mismatch()
     if why:
         raise ValueError(why)
     lib = lib or _abi.load_library()
-    _check_step(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers, cfg)
+    if check:
+        _check_step(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers, cfg)
+    elif (q.dim() != 3 or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+          or not (q.dtype == k.dtype == v.dtype == buffers.k_window.dtype) or q.device.type != "cpu"
+          or tuple(k.shape) != (q.shape[0], buffers.k_window.shape[1], q.shape[2]) or k.shape != v.shape):
+        _check_step(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers, cfg)  # names the bad value
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.device.type != "cpu" or not out.is_contiguous():
