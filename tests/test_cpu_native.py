@@ -24,8 +24,8 @@ if native.unavailable_reason(quantized=False) is not None:  # the dense kernel n
 
 from trtllm_kivi.cpu.ops import full_attention_cpu_, kivi_attention_cpu_, kivi_layout_mismatch  # noqa: E402
 
-# The KIVI op of plugins/cpu reads FORMAT_VERSION 1's LINEAR code order; FORMAT_VERSION 3 (FRAGMENT order) is not
-# ported yet, so the op refuses to run and its tests skip with that reason (the dense path still runs).
+# The KIVI op of plugins/cpu implements the code layout of CODE_LAYOUT_VERSION (FORMAT_VERSION 3: FRAGMENT order, sinks);
+# should format.py's FORMAT_VERSION move on without a port, the op refuses to run and its tests skip with that reason.
 needs_layout = pytest.mark.skipif(kivi_layout_mismatch() is not None, reason=str(kivi_layout_mismatch()))
 
 LIB = native.load_library()
@@ -112,6 +112,11 @@ CONFIGS = [  # (cfg, H, Hkv, D, dtype)
                 scale_dtype="float32"), 9, 3, 64, torch.float32),
     (KiviConfig(k_bits=2, v_bits=2, residual_length=40), 8, 1, 128, torch.float16),
     (KiviConfig(k_bits=4, v_bits=4, key_grouping="per_token", group_size=64), 4, 2, 64, torch.bfloat16),
+    # sinks (issue 11): split 0 is [0, S + split_len), so an S that is not a tile multiple shifts every store index
+    (KiviConfig(sink_tokens=4), 6, 2, 64, torch.float32),
+    (KiviConfig(k_bits=4, v_bits=2, group_size=64, residual_length=64, sink_tokens=128), 8, 2, 128, torch.float16),
+    (KiviConfig(k_bits=8, v_bits=2, key_grouping="per_token", residual_length=32, sink_tokens=7), 4, 2, 64,
+     torch.bfloat16),
 ]
 
 # ragged steps: prefills, chunked prefill crossing flush points, decodes, long enough for several key splits
@@ -121,8 +126,8 @@ SCHEDULE = [([0, 1, 2], [300, 45, 7]), ([0, 1, 2], [1, 1, 1]), ([1, 3], [200, 13
 
 @needs_layout
 @pytest.mark.parametrize("cfg,h,hkv,d,dtype", CONFIGS,
-                         ids=[f"{c.k_bits}k{c.v_bits}v-G{c.group_size}-{c.key_grouping}-{c.scale_dtype}-D{d}-"
-                              f"{str(dt).split('.')[-1]}" for c, _, _, d, dt in CONFIGS])
+                         ids=[f"{c.k_bits}k{c.v_bits}v-G{c.group_size}-{c.key_grouping}-{c.scale_dtype}-S"
+                              f"{c.sink_tokens}-D{d}-{str(dt).split('.')[-1]}" for c, _, _, d, dt in CONFIGS])
 def test_matches_reference(cfg, h, hkv, d, dtype, isa) -> None:
     run = Run(cfg, h, hkv, d, dtype)
     for slots, chunks in SCHEDULE:
@@ -245,6 +250,27 @@ def test_bad_inputs_raise_and_corrupt_nothing(mutate, match) -> None:
         kivi_attention_cpu_(*args, run.nat, run.cfg)
     for a, b in zip(before, run.nat, strict=True):
         assert torch.equal(a, b)
+
+
+@needs_layout
+def test_unchecked_call_matches_checked_and_still_checks_qkv() -> None:
+    """check=False (the cache's own calls: it allocated the buffers) gives the same bits and still refuses bad q/k/v
+    and bad lengths (the library validates those)."""
+    run = Run(KiviConfig(), 4, 2, 64, torch.float32)
+    run.step([0, 1], [300, 2])
+    args = _one_step_args(run, [0, 1], [1, 1])
+    other = run.nat.clone()
+    a = kivi_attention_cpu_(*args, run.nat, run.cfg)
+    b = kivi_attention_cpu_(*args, other, run.cfg, check=False)
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(run.nat, other, strict=True))
+    bad = list(args)
+    bad[0] = bad[0].double()
+    with pytest.raises(ValueError, match="activation dtype"):
+        kivi_attention_cpu_(*bad, run.nat, run.cfg, check=False)
+    bad = list(args)
+    bad[3] = torch.tensor([0, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match="slot id 9 out of range"):
+        kivi_attention_cpu_(*bad, run.nat, run.cfg, check=False)
 
 
 @needs_layout

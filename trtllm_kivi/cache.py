@@ -304,8 +304,9 @@ class CpuBackend(AttentionBackend):
         from .cpu.ops import kivi_attention_cpu_
 
         c = self.cache
+        # the cache allocated its buffers (format.buffer_shapes): only q/k/v are checked per call
         return kivi_attention_cpu_(q.contiguous(), k.contiguous(), v.contiguous(), step.slot_ids, step.past_len,
-                                   step.chunk_len, step.block_table, c.layers[layer], c.cfg)
+                                   step.chunk_len, step.block_table, c.layers[layer], c.cfg, check=False)
 
 
 def _cpu_unavailable(device: torch.device, head_dim: int | None = None, quantized: bool = True) -> str | None:

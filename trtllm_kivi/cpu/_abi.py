@@ -29,7 +29,7 @@ class KiviCpuParams(ctypes.Structure):
     """Mirror of KiviCpuParams (same field order; kiviCpuParamsSize checks the size)."""
 
     _fields_ = ([(n, _I) for n in ("numHeads", "numKvHeads", "headDim", "kBits", "vBits", "groupSize",
-                                   "residualLength", "blockSize", "scaleDtype", "keyGrouping", "actDtype", "batch",
+                                   "residualLength", "blockSize", "scaleDtype", "keyGrouping", "sinkTokens", "actDtype", "batch",
                                    "numTokens", "numBlocks", "numSlots", "maxBlocksPerSeq", "numThreads", "isa",
                                    "phase")]
                 + [(n, _P) for n in ("q", "k", "v", "out", "slotIds", "pastLen", "chunkLen", "blockTable",

@@ -2,7 +2,8 @@
 
 `kivi_attention_cpu_` has the signature and semantics of trtllm_kivi.reference.kivi_attention_ (attend, then append;
 buffers updated in place; returns out [tokens, H, D]) for head_dim 64/128, fp32/fp16/bf16 activations, every
-KiviConfig (2/4/8 bits, G 32/64/128, per_channel/per_token keys, fp16/bf16/fp32 scales).
+KiviConfig (2/4/8 bits, G 32/64/128, per_channel/per_token keys, fp16/bf16/fp32 scales, sink_tokens 0..128; a
+rotation is applied outside the op, so the op never sees it).
 `full_attention_cpu_` is the unquantized cache's step (cache.FullCache.attention): write the chunk into the dense
 K/V cache [slots, Hkv, max_seq_len, D] (converted to its dtype), then attend over rows [0, past + chunk).
 
@@ -11,6 +12,8 @@ error); this module checks devices, dtypes, contiguity and shapes.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -59,7 +62,7 @@ def _check_step(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers: Ki
     for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
         if named[name].dtype != sdt:
             raise ValueError(f"{name} has dtype {named[name].dtype}; cfg.scale_dtype is {cfg.scale_dtype}")
-    expected = buffer_shapes(cfg, hkv, d, num_blocks, buffers.k_window.shape[0])
+    expected = _buffer_shapes(cfg, hkv, d, num_blocks, buffers.k_window.shape[0])
     for name, t in zip(buffers._fields, buffers, strict=True):
         if tuple(t.shape) != expected[name]:
             raise ValueError(f"buffer {name} has shape {tuple(t.shape)}, expected {expected[name]}")
@@ -69,6 +72,12 @@ def _check_step(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers: Ki
         raise ValueError(f"slot_ids/past_len/chunk_len must be [B] and block_table [B, max_blocks]; got "
                          f"{tuple(slot_ids.shape)}, {tuple(past_len.shape)}, {tuple(chunk_len.shape)}, "
                          f"{tuple(block_table.shape)}")
+
+
+@functools.lru_cache(maxsize=64)
+def _buffer_shapes(cfg: KiviConfig, hkv: int, d: int, num_blocks: int, num_slots: int) -> dict[str, tuple[int, ...]]:
+    """format.buffer_shapes, memoized: the op is called once per layer per step with the same geometry."""
+    return buffer_shapes(cfg, hkv, d, num_blocks, num_slots)
 
 
 def make_params(q, k, v, out, slot_ids, past_len, chunk_len, block_table, buffers: KiviBuffers, cfg: KiviConfig,
@@ -83,6 +92,7 @@ def make_params(q, k, v, out, slot_ids, past_len, chunk_len, block_table, buffer
     p.residualLength, p.blockSize = cfg.residual_length, cfg.block_size
     p.scaleDtype = _abi.DTYPE_CODES[cfg.scale_dtype]
     p.keyGrouping = SUPPORTED_KEY_GROUPINGS.index(cfg.key_grouping)
+    p.sinkTokens = cfg.sink_tokens
     p.actDtype = _DTYPE_CODES[q.dtype]
     p.batch, p.numTokens = slot_ids.shape[0], tokens
     p.numBlocks, p.numSlots, p.maxBlocksPerSeq = num_blocks, buffers.k_window.shape[0], block_table.shape[1]
@@ -97,36 +107,44 @@ def _threads(threads: int | None) -> int:
     return torch.get_num_threads() if threads is None else int(threads)
 
 
-# The code layout plugins/cpu reads and writes: FORMAT_VERSION 1's LINEAR order (K packed along tokens, V along
-# channels). FORMAT_VERSION 3 stores per-channel K and all V codes in FRAGMENT order (format.py); until the native
-# CPU kernels are ported, the KIVI op refuses to run on them (the dense path, full_attention_cpu_, is unaffected).
-CODE_LAYOUT_VERSION = 1
+# The code layout plugins/cpu reads and writes (the library reports it: kiviCpuFormatVersion): FORMAT_VERSION 3's
+# FRAGMENT order for per-channel K and all V codes, with sinks. When format.py's FORMAT_VERSION moves on, the KIVI op
+# refuses to run until the native kernels are ported (the dense path, full_attention_cpu_, is unaffected).
+CODE_LAYOUT_VERSION = 3
 
 
 def kivi_layout_mismatch() -> str | None:
     """Why the native CPU KIVI op cannot read this package's stores (None: it can)."""
     if CODE_LAYOUT_VERSION == FORMAT_VERSION:
         return None
-    return (f"the native CPU KIVI kernels (plugins/cpu) read the FORMAT_VERSION {CODE_LAYOUT_VERSION} LINEAR code "
-            f"layout; this package stores FORMAT_VERSION {FORMAT_VERSION} (FRAGMENT order): not ported yet")
+    return (f"the native CPU KIVI kernels (plugins/cpu) read the FORMAT_VERSION {CODE_LAYOUT_VERSION} code layout; "
+            f"this package stores FORMAT_VERSION {FORMAT_VERSION}: not ported yet")
 
 
 def kivi_attention_cpu_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tensor,
                         past_len: torch.Tensor, chunk_len: torch.Tensor, block_table: torch.Tensor,
                         buffers: KiviBuffers, cfg: KiviConfig, *, isa: str = "auto", threads: int | None = None,
                         phase: int = _abi.PHASE_STEP, out: torch.Tensor | None = None,
-                        lib: KiviCpuLibrary | None = None) -> torch.Tensor:
+                        lib: KiviCpuLibrary | None = None, check: bool = True) -> torch.Tensor:
     """Native CPU form of reference.kivi_attention_: updates `buffers` in place, returns out [tokens, H, D].
     Refused (ValueError) while the native code layout differs from FORMAT_VERSION (kivi_layout_mismatch).
 
     isa: "auto" (best the CPU has; $TRTLLM_KIVI_CPU_ISA overrides), "portable", "avx2" or "avx512" (forced; an
     unsupported one raises ValueError). threads: worker threads (default torch.get_num_threads(); results are
-    bit-identical for any value). phase: _abi.PHASE_STEP (attend, then append), PHASE_ATTENTION or PHASE_APPEND."""
+    bit-identical for any value). phase: _abi.PHASE_STEP (attend, then append), PHASE_ATTENTION or PHASE_APPEND.
+    check=False skips the Python checks of the cache buffers (devices, dtypes, shapes: a caller that allocated them
+    itself, like cache.KiviCache, once per layer per step) but not those of q/k/v; the library still validates the
+    lengths, slots and block ids."""
     why = kivi_layout_mismatch()
     if why:
         raise ValueError(why)
     lib = lib or _abi.load_library()
-    _check_step(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers, cfg)
+    if check:
+        _check_step(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers, cfg)
+    elif (q.dim() != 3 or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+          or not (q.dtype == k.dtype == v.dtype == buffers.k_window.dtype) or q.device.type != "cpu"
+          or tuple(k.shape) != (q.shape[0], buffers.k_window.shape[1], q.shape[2]) or k.shape != v.shape):
+        _check_step(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers, cfg)  # names the bad value
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.device.type != "cpu" or not out.is_contiguous():

@@ -22,13 +22,15 @@ enum KiviCpuIsa { kiviCpuIsaAuto = 0, kiviCpuIsaPortable = 1, kiviCpuIsaAvx2 = 2
 enum KiviCpuPhase { kiviCpuPhaseStep = 3, kiviCpuPhaseAttention = 1, kiviCpuPhaseAppend = 2 };
 enum KiviCpuStatus { kiviCpuOk = 0, kiviCpuInvalidValue = 1, kiviCpuUnsupportedIsa = 2, kiviCpuInternal = 3 };
 
-// One step of the KiviAttention op over a ragged batch. Layouts: trtllm_kivi/format.py (all tensors contiguous).
+// One step of the KiviAttention op over a ragged batch. Layouts: trtllm_kivi/format.py FORMAT_VERSION 3 (per-channel K
+// and all V codes in FRAGMENT order; per-token K codes LINEAR; windows of S + R + G - 1 rows; all tensors contiguous).
 typedef struct KiviCpuParams
 {
     int32_t numHeads, numKvHeads, headDim;
     int32_t kBits, vBits, groupSize, residualLength, blockSize;
     int32_t scaleDtype;  // KiviCpuDtype of k/v scale and zero
     int32_t keyGrouping; // 0 per_channel, 1 per_token
+    int32_t sinkTokens;  // S in [0, 128]: tokens [0, S) stay in full precision at window rows [0, S)
     int32_t actDtype;    // KiviCpuDtype of q, k, v, out and the windows
     int32_t batch, numTokens, numBlocks, numSlots, maxBlocksPerSeq;
     int32_t numThreads; // <= 0: the library default (kiviCpuSetNumThreads / $TRTLLM_KIVI_CPU_THREADS / cores)

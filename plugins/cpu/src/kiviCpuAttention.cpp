@@ -270,6 +270,8 @@ int32_t validate(const KiviCpuParams& p)
             + " not supported; allowed: 0 float16, 1 bfloat16, 2 float32");
     if (!oneOf(p.keyGrouping, {0, 1}))
         return fail("key_grouping=" + str(p.keyGrouping) + " not supported; allowed: 0 per_channel, 1 per_token");
+    if (p.sinkTokens < 0 || p.sinkTokens > kMAX_SINKS)
+        return fail("sink_tokens=" + str(p.sinkTokens) + " must be in [0, " + str(kMAX_SINKS) + "]");
     if (!oneOf(p.phase, {kiviCpuPhaseStep, kiviCpuPhaseAttention, kiviCpuPhaseAppend}))
         return fail("phase=" + str(p.phase) + " not supported; allowed: 1 attention, 2 append, 3 step");
     if (p.batch < 0 || p.numTokens < 0 || p.numBlocks < 0 || p.numSlots <= 0 || p.maxBlocksPerSeq < 0)
@@ -290,7 +292,7 @@ int32_t validate(const KiviCpuParams& p)
     for (int32_t b = 0; b < p.batch; ++b)
     {
         const int32_t end = p.pastLen[b] + p.chunkLen[b];
-        const int32_t nq = numQuantized(end, p.residualLength, p.groupSize);
+        const int32_t nq = numQuantized(end, p.sinkTokens, p.residualLength, p.groupSize);
         if (nq > capacity)
             return fail("sequence " + str(b) + ": length " + str(end) + " needs " + str(nq)
                 + " quantized tokens, past the block table's capacity of " + str(capacity) + " ("
@@ -336,8 +338,8 @@ int32_t validateDense(const KiviCpuDenseParams& p)
 // ------------------------------------------------------------------------------------------------ quantizer
 
 // One group of n values x[i * stride] -> codes[i] and the stored scale/zero (reference/quant.py quantize_groups).
-void quantizeGroup(const float* x, int n, int stride, int bits, int32_t sdt, uint32_t* codes, void* scaleBuf,
-    void* zeroBuf, int64_t szIdx)
+void quantizeGroup(const float* x, int n, int stride, int bits, int32_t sdt, uint32_t* codes, int codeStride,
+    void* scaleBuf, void* zeroBuf, int64_t szIdx)
 {
     float mn = x[0], mx = x[0];
     bool nan = false;
@@ -363,87 +365,134 @@ void quantizeGroup(const float* x, int n, int stride, int bits, int32_t sdt, uin
             q = 0.0f; // torch.where(s == 0, 0, q) and nan_to_num
         else
             q = q < 0.0f ? 0.0f : (q > maxq ? maxq : q);
-        codes[i] = uint32_t(q);
+        codes[int64_t(i) * codeStride] = uint32_t(q);
     }
 }
 
-// Flush tokens [q0, q1) of one (sequence, KV head) and write its window rows; the reference's `append`.
+// (token within the tile, channel) of the code at bit 16 half + bits pos of word j of lane `lane` in FRAGMENT order:
+// format.fragment_coord, line for line.
+void fragmentCoord(bool keys, int32_t lane, int32_t j, int32_t half, int32_t pos, int32_t bits, int32_t& tok,
+    int32_t& ch)
+{
+    const int32_t g = lane / 4, t = lane % 4;
+    const int32_t pi = j * (16 / bits) + pos;
+    const int32_t r = pi % 4, i = pi / 4;
+    if (keys)
+    {
+        tok = g + 8 * (r & 1);
+        ch = 16 * i + 8 * (r >> 1) + 2 * t + half;
+    }
+    else
+    {
+        tok = 8 * (r >> 1) + 2 * t + half;
+        ch = 16 * i + g + 8 * (r & 1);
+    }
+}
+
+// codes [16 tokens][D] of one tile -> its 32 * nw words in FRAGMENT order (reference/quant.py pack_fragments).
+void packTile(const uint32_t* codes, int32_t D, int32_t bits, bool keys, int32_t* out)
+{
+    const int32_t nw = fragmentWordsPerLane(D, bits);
+    for (int32_t lane = 0; lane < kFRAGMENT_LANES; ++lane)
+        for (int32_t j = 0; j < nw; ++j)
+        {
+            uint32_t word = 0;
+            for (int32_t half = 0; half < 2; ++half)
+                for (int32_t pos = 0; pos < 16 / bits; ++pos)
+                {
+                    int32_t tok, ch;
+                    fragmentCoord(keys, lane, j, half, pos, bits, tok, ch);
+                    word |= codes[tok * D + ch] << (16 * half + pos * bits);
+                }
+            out[lane * nw + j] = int32_t(word);
+        }
+}
+
+// Flush store indices [q0, q1) (tokens S + j) of one (sequence, KV head) and write its window rows; the reference's
+// `append`.
 void appendHead(const KiviCpuParams& p, int32_t b, int32_t tokOffset, int32_t g, std::vector<float>& kbuf,
     std::vector<float>& vbuf)
 {
-    const int32_t D = p.headDim, Hkv = p.numKvHeads, G = p.groupSize, BS = p.blockSize;
-    const int32_t W = windowCapacity(p.residualLength, G);
+    const int32_t D = p.headDim, Hkv = p.numKvHeads, G = p.groupSize, BS = p.blockSize, S = p.sinkTokens;
+    const int32_t R = p.residualLength, W = windowCapacity(R, G);
     const int32_t Gv = valueGroupSize(G, D);
     const int32_t s = p.pastLen[b], c = p.chunkLen[b], e = s + c, slot = p.slotIds[b];
-    const int32_t q0 = numQuantized(s, p.residualLength, G), q1 = numQuantized(e, p.residualLength, G);
-    const int64_t winHead = (int64_t(slot) * Hkv + g) * W;
+    const int32_t q0 = numQuantized(s, S, R, G), q1 = numQuantized(e, S, R, G);
+    const int64_t winHead = (int64_t(slot) * Hkv + g) * windowRows(S, R, G);
     auto src = [&](const void* win, const void* chunk, int32_t t, int32_t d) -> float {
         if (t < s)
-            return loadScalar(win, (winHead + t % W) * D + d, p.actDtype);
+            return loadScalar(win, (winHead + windowRow(t, S, R, G)) * D + d, p.actDtype);
         return loadScalar(chunk, (int64_t(tokOffset + t - s) * Hkv + g) * D + d, p.actDtype);
     };
     kbuf.resize(size_t(G) * D);
     vbuf.resize(size_t(G) * D);
-    std::vector<uint32_t> codes(size_t(G > D ? G : D));
-    const int32_t kpw = codesPerWord(p.kBits), vpw = codesPerWord(p.vBits);
-    for (int32_t t0 = q0; t0 < q1; t0 += G)
+    std::vector<uint32_t> codes(size_t(G) * D); // [G tokens][D]
+    const int32_t kpw = codesPerWord(p.kBits);
+    const int64_t kTile = 16 * D * p.kBits / 32, vTile = 16 * D * p.vBits / 32; // words per 16-token tile
+    for (int32_t j0 = q0; j0 < q1; j0 += G)
     {
         for (int32_t i = 0; i < G; ++i)
             for (int32_t d = 0; d < D; ++d)
             {
-                kbuf[size_t(i) * D + d] = src(p.kWindow, p.k, t0 + i, d);
-                vbuf[size_t(i) * D + d] = src(p.vWindow, p.v, t0 + i, d);
+                kbuf[size_t(i) * D + d] = src(p.kWindow, p.k, S + j0 + i, d);
+                vbuf[size_t(i) * D + d] = src(p.vWindow, p.v, S + j0 + i, d);
             }
-        const int32_t blk = p.blockTable[int64_t(b) * p.maxBlocksPerSeq + t0 / BS];
-        const int32_t r = t0 % BS;
+        const int32_t blk = p.blockTable[int64_t(b) * p.maxBlocksPerSeq + j0 / BS];
+        const int32_t r = j0 % BS;
         const int64_t headBlk = int64_t(blk) * Hkv + g;
         int32_t* kc = static_cast<int32_t*>(p.kCodes);
         int32_t* vc = static_cast<int32_t*>(p.vCodes);
-        if (p.keyGrouping == 0) // per channel: one group of G tokens per channel, codes packed along tokens
+        if (p.keyGrouping == 0) // per channel: one group of G tokens per channel, FRAGMENT order
         {
             for (int32_t d = 0; d < D; ++d)
-            {
-                quantizeGroup(&kbuf[d], G, D, p.kBits, p.scaleDtype, codes.data(), p.kScale, p.kZero,
+                quantizeGroup(&kbuf[d], G, D, p.kBits, p.scaleDtype, codes.data() + d, D, p.kScale, p.kZero,
                     (headBlk * (BS / G) + r / G) * D + d);
-                for (int32_t w = 0; w < G / kpw; ++w)
+            for (int32_t t0 = 0; t0 < G; t0 += 16)
+                packTile(codes.data() + size_t(t0) * D, D, p.kBits, true,
+                    kc + headBlk * (BS / 16) * kTile + (r + t0) / 16 * kTile);
+        }
+        else // per token (naive control): groups of Gv channels, LINEAR order along channels
+            for (int32_t i = 0; i < G; ++i)
+            {
+                const int64_t row = headBlk * BS + r + i;
+                for (int32_t g0 = 0; g0 < D; g0 += Gv)
+                    quantizeGroup(&kbuf[size_t(i) * D + g0], Gv, 1, p.kBits, p.scaleDtype, codes.data() + g0, 1,
+                        p.kScale, p.kZero, row * (D / Gv) + g0 / Gv);
+                for (int32_t w = 0; w < D / kpw; ++w)
                 {
                     uint32_t word = 0;
                     for (int32_t j = 0; j < kpw; ++j)
                         word |= codes[size_t(w) * kpw + j] << (j * p.kBits);
-                    kc[(headBlk * (BS / kpw) + r / kpw + w) * D + d] = int32_t(word);
+                    kc[row * (D / kpw) + w] = int32_t(word);
                 }
             }
-        }
-        for (int32_t i = 0; i < G; ++i) // per token: values, and keys of the naive control
+        for (int32_t i = 0; i < G; ++i) // values: per token, groups of Gv channels
         {
             const int64_t row = headBlk * BS + r + i;
-            for (int kv = (p.keyGrouping == 0 ? 1 : 0); kv < 2; ++kv)
-            {
-                const float* x = (kv == 0 ? kbuf.data() : vbuf.data()) + size_t(i) * D;
-                const int32_t bits = kv == 0 ? p.kBits : p.vBits, per = kv == 0 ? kpw : vpw;
-                int32_t* out = kv == 0 ? kc : vc;
-                for (int32_t g0 = 0; g0 < D; g0 += Gv)
-                    quantizeGroup(x + g0, Gv, 1, bits, p.scaleDtype, codes.data() + g0, kv == 0 ? p.kScale : p.vScale,
-                        kv == 0 ? p.kZero : p.vZero, row * (D / Gv) + g0 / Gv);
-                for (int32_t w = 0; w < D / per; ++w)
-                {
-                    uint32_t word = 0;
-                    for (int32_t j = 0; j < per; ++j)
-                        word |= codes[size_t(w) * per + j] << (j * bits);
-                    out[row * (D / per) + w] = int32_t(word);
-                }
-            }
+            for (int32_t g0 = 0; g0 < D; g0 += Gv)
+                quantizeGroup(&vbuf[size_t(i) * D + g0], Gv, 1, p.vBits, p.scaleDtype, codes.data() + size_t(i) * D + g0,
+                    1, p.vScale, p.vZero, row * (D / Gv) + g0 / Gv);
         }
+        for (int32_t t0 = 0; t0 < G; t0 += 16)
+            packTile(codes.data() + size_t(t0) * D, D, p.vBits, false,
+                vc + headBlk * (BS / 16) * vTile + (r + t0) / 16 * vTile);
     }
-    // Window rows of tokens [max(s, e - W), e) at row t % W (older chunk tokens would be overwritten anyway).
+    // Window rows (format.py): sinks t < S at row t; of the other tokens only [max(s, e - W), e) (older ones would be
+    // overwritten anyway) at row S + (t - S) % W.
     const int32_t esz = dtypeBytes(p.actDtype);
-    for (int32_t t = (s > e - W ? s : e - W); t < e; ++t)
-    {
-        const int64_t dst = ((winHead + t % W) * D) * esz;
+    const int32_t sinkEnd = S < e ? S : e;
+    auto copyRow = [&](int32_t t) {
+        const int64_t dst = ((winHead + windowRow(t, S, R, G)) * D) * esz;
         const int64_t srcOff = ((int64_t(tokOffset + t - s) * Hkv + g) * D) * esz;
         std::memcpy(static_cast<char*>(p.kWindow) + dst, static_cast<const char*>(p.k) + srcOff, size_t(D) * esz);
         std::memcpy(static_cast<char*>(p.vWindow) + dst, static_cast<const char*>(p.v) + srcOff, size_t(D) * esz);
-    }
+    };
+    for (int32_t t = s; t < sinkEnd; ++t)
+        copyRow(t);
+    int32_t first = s > sinkEnd ? s : sinkEnd;
+    first = first > e - W ? first : e - W;
+    for (int32_t t = first; t < e; ++t)
+        copyRow(t);
 }
 
 // ------------------------------------------------------------------------------------------------ attention
@@ -469,9 +518,10 @@ int32_t runAttention(Ctx& ctx, const IsaKernels& k, int threads, int32_t batch, 
         sp.past = pastLen[b];
         sp.chunk = chunkLen[b];
         sp.tokOffset = offsets[b];
-        sp.nq = ctx.dense ? 0 : numQuantized(sp.past, ctx.R, ctx.G);
+        sp.sink = sp.past < ctx.sinks ? sp.past : ctx.sinks;
+        sp.nq = ctx.dense ? 0 : numQuantized(sp.past, ctx.sinks, ctx.R, ctx.G);
         sp.nKeys = sp.past + sp.chunk;
-        sp.numSplits = (sp.nKeys + kSPLIT_LEN - 1) / kSPLIT_LEN;
+        sp.numSplits = numSplitsOf(sp.nKeys, ctx.sinks);
         sp.numQTiles = (sp.chunk + kQ_TILE - 1) / kQ_TILE;
         // Decode-like chunks parallelize over key splits (partials merged afterwards); longer chunks have enough
         // query tiles. Either way the same partials are merged in the same order (same bits).
@@ -536,9 +586,11 @@ using namespace trtllm_kivi::cpu;
 
 extern "C" {
 
-// The storage layout these kernels read and write: FORMAT_VERSION 1 (codes in token/channel order). format.py's
-// FORMAT_VERSION 3 (fragment-order codes) is not implemented yet; trtllm_kivi.cpu refuses the library on a mismatch.
-constexpr int32_t kIMPLEMENTED_FORMAT_VERSION = 1;
+// The storage layout these kernels read and write: FORMAT_VERSION 3 (fragment-order per-channel K and V codes, sinks).
+// trtllm_kivi.cpu refuses the library when it differs from format.FORMAT_VERSION.
+constexpr int32_t kIMPLEMENTED_FORMAT_VERSION = 3;
+static_assert(kIMPLEMENTED_FORMAT_VERSION == kFORMAT_VERSION,
+    "plugins/include/kiviFormat.h changed FORMAT_VERSION: port the CPU kernels' layout, then this constant");
 
 int32_t kiviCpuFormatVersion(void)
 {
@@ -610,6 +662,8 @@ int32_t kiviCpuStep(const KiviCpuParams* params)
         c.Gv = valueGroupSize(p.groupSize, p.headDim);
         c.BS = p.blockSize;
         c.W = windowCapacity(p.residualLength, p.groupSize);
+        c.sinks = p.sinkTokens;
+        c.winRows = windowRows(p.sinkTokens, p.residualLength, p.groupSize);
         c.keyGrouping = p.keyGrouping;
         c.scaleDtype = p.scaleDtype;
         c.actDtype = p.actDtype;
@@ -691,6 +745,7 @@ int32_t kiviCpuDense(const KiviCpuDenseParams* params)
         c.Gv = 32;
         c.BS = 32;
         c.W = 1;
+        c.winRows = 1;
         c.actDtype = p.actDtype;
         c.cacheDtype = p.cacheDtype;
         c.maxSeqLen = p.maxSeqLen;

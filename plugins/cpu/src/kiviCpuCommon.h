@@ -11,9 +11,30 @@ namespace trtllm_kivi
 namespace cpu
 {
 
-constexpr int32_t kSPLIT_LEN = 512; // keys per log-sum-exp split; a multiple of every block/group/word size
+constexpr int32_t kSPLIT_LEN = 512; // keys per log-sum-exp split; a multiple of every block/group/tile size
+constexpr int32_t kMAX_SINKS = 128; // format.MAX_SINK_TOKENS: split 0 is [0, S + kSPLIT_LEN), so it holds the sinks
+constexpr int32_t kSCORE_STRIDE = kSPLIT_LEN + kMAX_SINKS + 16; // floats per scratch row of one split's keys
 constexpr int32_t kQ_TILE = 8;      // query positions per work item in chunked prefill
-constexpr int32_t kK_TILE = 16;     // quantized keys decoded per step (a multiple of 32 / bits for 2/4/8 bits)
+constexpr int32_t kK_TILE = 16;     // quantized keys decoded per step: one 16-token fragment tile (format.py)
+
+// Key splits (fixed, so results do not depend on threads or batch): split 0 = [0, S + kSPLIT_LEN), split j >= 1 =
+// [S + j kSPLIT_LEN, S + (j + 1) kSPLIT_LEN). Their quantized parts start at store index j kSPLIT_LEN: whole tiles.
+static inline int32_t splitStart(int32_t j, int32_t sinks)
+{
+    return j == 0 ? 0 : sinks + j * kSPLIT_LEN;
+}
+
+// Window row of token t (format.py; kiviFormat.h's windowRow, restated with internal linkage for the ISA units).
+static inline int64_t windowRowOf(int64_t t, int32_t sinks, int32_t ringRows)
+{
+    return t < sinks ? t : sinks + (t - sinks) % ringRows;
+}
+
+// Splits that hold keys [0, n) (at least 1).
+static inline int32_t numSplitsOf(int32_t n, int32_t sinks)
+{
+    return n <= sinks + kSPLIT_LEN ? 1 : (n - sinks + kSPLIT_LEN - 1) / kSPLIT_LEN;
+}
 
 // One sequence of the step, as the kernels see it.
 struct SeqPlan
@@ -23,9 +44,10 @@ struct SeqPlan
     int32_t past;      // s
     int32_t chunk;     // c = e - s (> 0)
     int32_t tokOffset; // first row of the sequence in q/k/v/out
-    int32_t nq;        // n_q(s): quantized keys (0 for the dense cache)
+    int32_t sink;      // min(S, s): full-precision sink keys [0, sink) at window rows [0, sink)
+    int32_t nq;        // n_q(s): quantized keys [sink, sink + nq) at store index t - sink (0 for the dense cache)
     int32_t nKeys;     // s + c
-    int32_t numSplits; // ceil(nKeys / kSPLIT_LEN)
+    int32_t numSplits; // numSplitsOf(nKeys, S)
     int32_t numQTiles; // ceil(c / kQ_TILE)
     int32_t parallel;  // 1: one work item per split, partials merged afterwards; 0: one item runs every split
     int64_t partialBase; // float offset of this sequence's partials (parallel only)
@@ -36,7 +58,7 @@ struct Ctx
 {
     bool dense;
     int32_t H, Hkv, D, grp;
-    int32_t kBits, vBits, G, Gv, BS, R, W, keyGrouping, scaleDtype, actDtype, cacheDtype, maxBlocks, maxSeqLen;
+    int32_t kBits, vBits, G, Gv, BS, R, W, sinks, winRows, keyGrouping, scaleDtype, actDtype, cacheDtype, maxBlocks, maxSeqLen;
     float smScale; // 1 / sqrt(D)
     const void* q;
     const void* k;
@@ -63,7 +85,9 @@ struct WorkItem
 // Per-thread scratch sizes (floats) for a tile of `rows` query rows.
 static inline int64_t scratchFloats(int32_t rows, int32_t D)
 {
-    return int64_t(rows) * (6 * D + 5 * (kSPLIT_LEN + 16) + 64) + 8 * (kSPLIT_LEN + 16) + 8 * D + 256;
+    // + the transposed fragment tiles of one split's quantized span (at most 8-bit codes: 4 D words per tile)
+    return int64_t(rows) * (6 * D + 5 * kSCORE_STRIDE + 64) + 8 * kSCORE_STRIDE + 8 * D + 256
+        + int64_t(kSPLIT_LEN / 16) * 4 * D + 64 + 8 * kSCORE_STRIDE + 64;
 }
 
 // ------------------------------------------------------------------------------------ exact scalar conversions

@@ -97,6 +97,51 @@ struct S
         res = _mm256_blendv_ps(res, _mm256_setzero_ps(), under);
         return _mm256_blendv_ps(res, x, nan);
     }
+    // dst[c * 8 + r] = src[r * srcStride + c] for r, c in [0, 8): an 8 x 8 transpose of words (24 shuffles).
+    __attribute__((always_inline)) static inline void transpose8(const int32_t* src, int srcStride, int32_t* dst)
+    {
+        const float* f = reinterpret_cast<const float*>(src);
+        const __m256 r0 = _mm256_loadu_ps(f), r1 = _mm256_loadu_ps(f + srcStride);
+        const __m256 r2 = _mm256_loadu_ps(f + 2 * srcStride), r3 = _mm256_loadu_ps(f + 3 * srcStride);
+        const __m256 r4 = _mm256_loadu_ps(f + 4 * srcStride), r5 = _mm256_loadu_ps(f + 5 * srcStride);
+        const __m256 r6 = _mm256_loadu_ps(f + 6 * srcStride), r7 = _mm256_loadu_ps(f + 7 * srcStride);
+        const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1); // cols 0 1 | 4 5, 2 3 | 6 7
+        const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+        const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+        const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE); // col 0 | 4, 1 | 5
+        const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE); // col 2 | 6, 3 | 7
+        const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+        const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+        float* o = reinterpret_cast<float*>(dst);
+        _mm256_storeu_ps(o, _mm256_permute2f128_ps(u0, u4, 0x20));
+        _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(u1, u5, 0x20));
+        _mm256_storeu_ps(o + 16, _mm256_permute2f128_ps(u2, u6, 0x20));
+        _mm256_storeu_ps(o + 24, _mm256_permute2f128_ps(u3, u7, 0x20));
+        _mm256_storeu_ps(o + 32, _mm256_permute2f128_ps(u0, u4, 0x31));
+        _mm256_storeu_ps(o + 40, _mm256_permute2f128_ps(u1, u5, 0x31));
+        _mm256_storeu_ps(o + 48, _mm256_permute2f128_ps(u2, u6, 0x31));
+        _mm256_storeu_ps(o + 56, _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+    // Lane i = p[i * stride].
+    static F gather(const float* p, int stride)
+    {
+        return _mm256_i32gather_ps(p, _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            _mm256_set1_epi32(stride)), 4);
+    }
+    // FRAGMENT order (kiviCpuKernel.h): the 8 words of lanes gq = 0..7 of one (tq, j), from a transposed tile.
+    using WS = __m256i;
+    static WS loadWords(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+    // Vector v (par) of the codes at bit `shift + BITS v` of the 8 words, as floats.
+    template <int BITS>
+    static F decodeFrag(WS ws, int shift, int v)
+    {
+        const int sh = shift + BITS * v;
+        const __m256i c = _mm256_srli_epi32(ws, sh);
+        if (sh == 32 - BITS) // the top code needs no mask
+            return _mm256_cvtepi32_ps(c);
+        return _mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32((1 << BITS) - 1)));
+    }
     // Lane i = code (part * 8 + i) of the sequence whose word j is p[j * stride] (32 / BITS codes per word).
     template <int BITS>
     static F decode(const int32_t* p, int stride, int part)

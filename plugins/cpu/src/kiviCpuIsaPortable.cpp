@@ -101,6 +101,42 @@ struct S
     }
     static float scale(const void* base, int64_t i, int32_t dtype) { return loadScalar(base, i, dtype); }
     static F exp(F x);
+    // dst[c * 8 + r] = src[r * srcStride + c] for r, c in [0, 8): an 8 x 8 transpose of words.
+    static void transpose8(const int32_t* src, int srcStride, int32_t* dst)
+    {
+        for (int r = 0; r < 8; ++r)
+            for (int c = 0; c < 8; ++c)
+                dst[c * 8 + r] = src[r * srcStride + c];
+    }
+    // Lane i = p[i * stride].
+    static F gather(const float* p, int stride)
+    {
+        F r;
+        for (int i = 0; i < W; ++i)
+            r.v[i] = p[i * stride];
+        return r;
+    }
+    // FRAGMENT order (kiviCpuKernel.h): the 8 words of lanes gq = 0..7 of one (tq, j), from a transposed tile.
+    struct WS
+    {
+        uint32_t w[8];
+    };
+    static WS loadWords(const int32_t* p)
+    {
+        WS r;
+        for (int i = 0; i < 8; ++i)
+            r.w[i] = uint32_t(p[i]);
+        return r;
+    }
+    // Vector v of the 16 codes at `shift` (lanes 0..7 = words 0..7) and shift + BITS (the next 8): W = 8, v = par.
+    template <int BITS>
+    static F decodeFrag(const WS& ws, int shift, int v)
+    {
+        F r;
+        for (int i = 0; i < W; ++i)
+            r.v[i] = float((ws.w[i] >> (shift + BITS * v)) & ((1u << BITS) - 1));
+        return r;
+    }
     template <int BITS>
     static F decode(const int32_t* p, int stride, int part)
     {

@@ -7,10 +7,20 @@
 // (decode: partials stored, merged by mergeItem) or all splits of a query tile in order (prefill); both run the
 // same per-split function and the same merge, so they give the same bits.
 //
-// Keys/values are read straight from the store: per-channel K codes are decoded kK_TILE tokens at a time (tokens in
+// Keys/values are read straight from the store: per-channel K codes are decoded one 16-token tile at a time (tokens in
 // SIMD lanes) against q pre-multiplied by the group's per-channel scale (score = sum_d (q_d s_d) c_td + sum_d q_d z_d);
 // per-token V codes are decoded channels-in-lanes and accumulated with p_t * scale, the zero term p_t * z once per
 // group. Nothing but one tile's scores lives in scratch.
+//
+// FRAGMENT order (format.py, FORMAT_VERSION 3; format.fragment_coord is the definition): a 16-token tile is 32 lanes
+// L = 4 gq + tq of nw = D * bits / 64 words; word j of lane L holds at bits [16 h + bits (2 pp + par), + bits) the
+// code of (with pi = j (16 / bits) + 2 pp + par, since 16 / bits is even par = pi & 1):
+//   keys:   token gq + 8 par,                        channel 8 (j (8 / bits) + pp) + 2 tq + h
+//   values: token 8 ((pi >> 1) & 1) + 2 tq + h,      channel 16 (pi >> 2) + 8 par + gq
+// So the 8 words of lanes gq = 0..7 with the same (tq, j) hold, at one shift, 8 consecutive tokens of one key channel
+// or 8 consecutive channels of one value token, and at shift + bits the next 8 (par = 1): one shift + mask + convert
+// per 16 codes (S::decodeFrag), the same work as a linear order. A tile is the word matrix [8 gq][4 nw (tq, j)];
+// transposeTile turns it into [4 nw][8 gq] with 8 x 8 transposes (S::transpose8) so each such word set is one load.
 //
 // Requires before inclusion: namespace trtllm_kivi::cpu::<isa> { struct S; } with the ops used below.
 
@@ -64,16 +74,18 @@ struct Attn
         float* qf;     // [rows, D] q * 1/sqrt(D)
         float* qs;     // [rows, D] qf * per-channel key scale of the current group
         float* cz;     // [rows]    sum_d qf * key zero
-        float* scores; // [rows, kSPLIT_LEN + W] scores, then p
+        float* scores; // [rows, kSCORE_STRIDE] scores, then p
         float* acc;    // [rows, D]
         float* zacc;   // [rows, 8] per value group: sum_t p_t * zero
-        float* coef;   // [4, rows, kSPLIT_LEN + 16] p_t * value scale of token t, per value group
+        float* coef;   // [4, rows, kSCORE_STRIDE] p_t * value scale of token t, per value group
         float* state;  // [rows, D + 2] running (m, l, acc) of a sequential item
         float* part;   // [rows, D + 2] one split's partial
-        float* kdeq;   // [4, kSPLIT_LEN + 16] a dequantized per-token key row / value scales (group-major)
-        float* vsz;    // [4, kSPLIT_LEN + 16] value zeros (group-major)
+        float* kdeq;   // [4, kSCORE_STRIDE] a dequantized per-token key row / value scales (group-major)
+        float* vsz;    // [4, kSCORE_STRIDE] value zeros (group-major)
         float* ksc;    // [D] per-channel key scale of the current group
         float* kzr;    // [D]
+        int32_t* tw;   // [kSPLIT_LEN / 16 tiles][4 D] transposed fragment tiles (transposeTile)
+        float* tmp;    // [2, 4 kSCORE_STRIDE] value scales / zeros of a span, token-major
     };
 
     static Scratch carve(float* base, int rows)
@@ -83,21 +95,23 @@ struct Attn
         s.qs = s.qf + rows * D;
         s.cz = s.qs + rows * D;
         s.scores = s.cz + rows + 16;
-        s.acc = s.scores + int64_t(rows) * (kSPLIT_LEN + 16);
+        s.acc = s.scores + int64_t(rows) * kSCORE_STRIDE;
         s.zacc = s.acc + rows * D;
         s.coef = s.zacc + rows * 8;
-        s.state = s.coef + int64_t(4) * rows * (kSPLIT_LEN + 16);
+        s.state = s.coef + int64_t(4) * rows * kSCORE_STRIDE;
         s.part = s.state + rows * (D + 2);
         s.kdeq = s.part + rows * (D + 2);
-        s.vsz = s.kdeq + 4 * (kSPLIT_LEN + 16);
-        s.ksc = s.vsz + 4 * (kSPLIT_LEN + 16);
+        s.vsz = s.kdeq + 4 * kSCORE_STRIDE;
+        s.ksc = s.vsz + 4 * kSCORE_STRIDE;
         s.kzr = s.ksc + D;
+        s.tw = reinterpret_cast<int32_t*>(s.kzr + D + 16);
+        s.tmp = reinterpret_cast<float*>(s.tw + int64_t(kSPLIT_LEN / 16) * 4 * D + 16);
         return s;
     }
 
     static constexpr int scoreStride()
     {
-        return kSPLIT_LEN + 16;
+        return kSCORE_STRIDE;
     }
 
     // q rows of a tile: row = i * grp + j is query position past + pos0 + i, head kvHead * grp + j.
@@ -113,43 +127,118 @@ struct Attn
             }
     }
 
-    // Scores of per-channel quantized keys: one kK_TILE-token tile for NR rows (accumulators stay in registers).
-    template <int BITS, int NR>
-    static void keyTile(const int32_t* wp, const float* qs, const float* cz, float* scores)
+    // A 16-token fragment tile [8 gq][4 NW] (word (4 gq + tq) NW + j) -> dst [4 NW][8 gq]: word set (tq, j) at
+    // dst + 8 (tq NW + j).
+    template <int BITS>
+    static void transposeTile(const int32_t* tile, int32_t* dst)
     {
-        // two accumulator sets (even / odd channels) when registers allow: the fma latency chain is halved
+        constexpr int NW = D * BITS / 64;
+        for (int m = 0; m < 4 * NW / 8; ++m)
+            S::transpose8(tile + 8 * m, 4 * NW, dst + 64 * m);
+    }
+
+    // Scores of per-channel quantized keys: one transposed 16-token fragment tile `tw` for NR rows (accumulators in
+    // registers).
+    template <int BITS, int NR>
+    static void keyTile(const int32_t* tw, const float* qs, const float* cz, float* scores)
+    {
+        constexpr int NW = D * BITS / 64; // words per lane
+        constexpr int PP = 8 / BITS;      // code pairs per half word
+        // two accumulator sets (h = 0 / 1: even / odd channels) when registers allow: the fma chain is halved
         constexpr int NA = (NR * KV <= 6) ? 2 : 1;
         typename S::F acc[NA][NR][KV];
         for (int h = 0; h < NA; ++h)
             for (int i = 0; i < NR; ++i)
                 for (int v = 0; v < KV; ++v)
                     acc[h][i][v] = h == 0 ? S::set1(cz[i]) : S::zero();
-        for (int d = 0; d < D; d += NA)
-            for (int h = 0; h < NA; ++h)
+        for (int tq = 0; tq < 4; ++tq)
+            for (int j = 0; j < NW; ++j)
             {
-                typename S::F code[KV];
-                for (int v = 0; v < KV; ++v)
-                    code[v] = S::template decode<BITS>(wp + d + h, D, v);
-                for (int i = 0; i < NR; ++i)
-                {
-                    const typename S::F qd = S::set1(qs[i * D + d + h]);
-                    for (int v = 0; v < KV; ++v)
-                        acc[h][i][v] = S::fma(qd, code[v], acc[h][i][v]);
-                }
+                const typename S::WS ws = S::loadWords(tw + 8 * (tq * NW + j));
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; ++h)
+#pragma GCC unroll 4
+                    for (int pp = 0; pp < PP; ++pp)
+                    {
+                        const int ch = 8 * (j * PP + pp) + 2 * tq + h;
+                        typename S::F code[KV];
+#pragma GCC unroll 2
+                        for (int v = 0; v < KV; ++v)
+                            code[v] = S::template decodeFrag<BITS>(ws, 16 * h + 2 * BITS * pp, v);
+#pragma GCC unroll 4
+                        for (int i = 0; i < NR; ++i)
+                        {
+                            const typename S::F qd = S::set1(qs[i * D + ch]);
+#pragma GCC unroll 2
+                            for (int v = 0; v < KV; ++v)
+                                acc[h % NA][i][v] = S::fma(qd, code[v], acc[h % NA][i][v]);
+                        }
+                    }
             }
         for (int i = 0; i < NR; ++i)
             for (int v = 0; v < KV; ++v)
-                S::store(scores + int64_t(i) * scoreStride() + v * W, NA == 2 ? S::add(acc[0][i][v], acc[NA - 1][i][v]) : acc[0][i][v]);
+                S::store(scores + int64_t(i) * scoreStride() + v * W,
+                    NA == 2 ? S::add(acc[0][i][v], acc[NA - 1][i][v]) : acc[0][i][v]);
     }
 
-    // Scores of per-channel quantized keys [t0, t0 + G) (one group, one block) for all rows.
+    // Software prefetch (into L2) of every quantized byte of positions [t0, t1) (whole groups): K and V codes,
+    // scales and zeros, block by block.
+    static void prefetchStore(const Ctx& c, const SeqPlan& sp, int g, int t0, int t1)
+    {
+        const int sb = dtypeBytes(c.scaleDtype), ng = D / c.Gv;
+        auto range = [](const void* base, int64_t byteOff, int64_t bytes) {
+            for (int64_t i = 0; i < bytes; i += 64)
+                __builtin_prefetch(static_cast<const char*>(base) + byteOff + i, 0, 2);
+        };
+        for (int t = t0; t < t1;)
+        {
+            const int jq = t - sp.sink;
+            const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + jq / c.BS];
+            const int r = jq % c.BS, n = imin(t1 - t, c.BS - r);
+            const int64_t hb = int64_t(blk) * c.Hkv + g;
+            range(c.kCodes, (hb * c.BS + r) * D * c.kBits / 8, int64_t(n) * D * c.kBits / 8);
+            range(c.kScale, (hb * (c.BS / c.G) + r / c.G) * D * sb, int64_t(n / c.G) * D * sb);
+            range(c.kZero, (hb * (c.BS / c.G) + r / c.G) * D * sb, int64_t(n / c.G) * D * sb);
+            range(c.vCodes, (hb * c.BS + r) * D * c.vBits / 8, int64_t(n) * D * c.vBits / 8);
+            range(c.vScale, (hb * c.BS + r) * ng * sb, int64_t(n) * ng * sb);
+            range(c.vZero, (hb * c.BS + r) * ng * sb, int64_t(n) * ng * sb);
+            t += n;
+        }
+    }
+
+    // Software prefetch (into L2) of the group at position t0 if it is quantized: its scales, zeros and code tiles.
+    // The hardware prefetchers see short streams (one (block, head) at a time) and start too late.
+    template <int BITS>
+    static void prefetchKeyGroup(const Ctx& c, const SeqPlan& sp, int g, int t0)
+    {
+        if (t0 >= sp.sink + sp.nq)
+            return;
+        const int32_t j0 = t0 - sp.sink;
+        const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + j0 / c.BS];
+        const int32_t r = j0 % c.BS;
+        const int64_t sOff = ((int64_t(blk) * c.Hkv + g) * (c.BS / c.G) + r / c.G) * D;
+        const int sb = dtypeBytes(c.scaleDtype);
+        for (int i = 0; i < D * sb; i += 64)
+        {
+            __builtin_prefetch(static_cast<const char*>(c.kScale) + sOff * sb + i, 0, 2);
+            __builtin_prefetch(static_cast<const char*>(c.kZero) + sOff * sb + i, 0, 2);
+        }
+        const char* w = reinterpret_cast<const char*>(c.kCodes
+            + ((int64_t(blk) * c.Hkv + g) * (c.BS / 16) + r / 16) * (16 * D * BITS / 32));
+        for (int i = 0; i < c.G * D * BITS / 8; i += 64)
+            __builtin_prefetch(w + i, 0, 2);
+    }
+
+    // Scores of per-channel quantized keys [t0, t0 + G) (positions; one group, one block) for all rows.
     template <int BITS>
     static void scoresPerChannel(const Ctx& c, const SeqPlan& sp, int g, int rows, int t0, int a, Scratch& s)
     {
-        constexpr int CPW = 32 / BITS;
-        const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + t0 / c.BS];
-        const int32_t r = t0 % c.BS;
+        constexpr int TILE_WORDS = 16 * D * BITS / 32;
+        const int32_t j0 = t0 - sp.sink; // store index of the group's first token
+        const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + j0 / c.BS];
+        const int32_t r = j0 % c.BS;
         const int64_t sOff = ((int64_t(blk) * c.Hkv + g) * (c.BS / c.G) + r / c.G) * D;
+        prefetchKeyGroup<BITS>(c, sp, g, t0 + c.G);
         for (int n = 0; n < NV; ++n)
         {
             S::store(s.ksc + n * W, S::loadAct(c.kScale, sOff + n * W, c.scaleDtype));
@@ -168,10 +257,11 @@ struct Attn
             }
             s.cz[row] = S::hsum(z);
         }
-        const int32_t* words = c.kCodes + (int64_t(blk) * c.Hkv + g) * (c.BS / CPW) * D;
+        const int32_t* words = c.kCodes + (int64_t(blk) * c.Hkv + g) * int64_t(c.BS / 16) * TILE_WORDS;
         for (int t1 = t0; t1 < t0 + c.G; t1 += kK_TILE)
         {
-            const int32_t* wp = words + int64_t((r + t1 - t0) / CPW) * D; // first word row of the tile
+            const int32_t* tw = s.tw; // the tile's words, transposed
+            transposeTile<BITS>(words + int64_t((r + t1 - t0) / 16) * TILE_WORDS, s.tw);
             for (int r0 = 0; r0 < rows; r0 += RB)
             {
                 const float* qs = s.qs + r0 * D;
@@ -179,10 +269,10 @@ struct Attn
                 float* sc = s.scores + int64_t(r0) * scoreStride() + (t1 - a);
                 switch (imin(RB, rows - r0))
                 {
-                case 1: keyTile<BITS, 1>(wp, qs, cz, sc); break;
-                case 2: keyTile<BITS, 2>(wp, qs, cz, sc); break;
-                case 3: keyTile<BITS, 3>(wp, qs, cz, sc); break;
-                default: keyTile<BITS, 4>(wp, qs, cz, sc); break;
+                case 1: keyTile<BITS, 1>(tw, qs, cz, sc); break;
+                case 2: keyTile<BITS, 2>(tw, qs, cz, sc); break;
+                case 3: keyTile<BITS, 3>(tw, qs, cz, sc); break;
+                default: keyTile<BITS, 4>(tw, qs, cz, sc); break;
                 }
             }
         }
@@ -193,8 +283,9 @@ struct Attn
     static void scorePerToken(const Ctx& c, const SeqPlan& sp, int g, int rows, int t, int a, Scratch& s)
     {
         constexpr int CPW = 32 / BITS;
-        const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + t / c.BS];
-        const int32_t r = t % c.BS;
+        const int32_t jq = t - sp.sink; // store index (LINEAR order for per-token keys)
+        const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + jq / c.BS];
+        const int32_t r = jq % c.BS;
         const int64_t rowIdx = (int64_t(blk) * c.Hkv + g) * c.BS + r;
         const int32_t* words = c.kCodes + rowIdx * (D / CPW);
         const int ng = D / c.Gv;
@@ -276,41 +367,58 @@ struct Attn
     }
 
     static constexpr int NC = 2; // full-precision value vectors (channels) per register block
-    static constexpr int QNC = 32 / W; // quantized value vectors per register block: 32 channels, inside one group
-    static constexpr int QRB = 3;      // rows per quantized value block (3 x QNC accumulators + code + coefs)
+    // Quantized values: a register block is NR <= QRB rows x 32 channels (2 blocks of 16). A 16-channel block
+    // instead (6 accumulators, no spills on AVX2) measured no faster: the fma chains get shorter than the latency.
+    static constexpr int VPB = 16 / W; // vectors per 16-channel block
+    static constexpr int VNB = 2;      // 16-channel blocks per register block
+    static constexpr int QRB = 3;      // rows per register block
 
-    // acc[NR rows][QNC vectors of channels n0..] += coef[row][t] * code(t) over quantized values [t0, t1).
+    // acc[NR rows][channels 32 k .. 32 k + 32) += coef[row][t] * code(t) over quantized values [t0, t1) (positions;
+    // whole tiles). In FRAGMENT order a value token's channel pairs there are pi = 8 k + 2 e + par, e in [0, 4):
+    // channels 16 (pi >> 2) + 8 par + gq of token 8 (e & 1) + 2 tq + h, in word j = pi / (16 / bits) of lane
+    // (gq, tq) at position pi % (16 / bits) (independent of k since 16 / bits divides 8).
+    // tw: the transposed tiles (transposeTile) of [t0, t1), consecutive.
     template <int BITS, int NR>
-    static void valueBlock(const Ctx& c, const SeqPlan& sp, int g, int t0, int t1, int n0, const float* coef,
-        float* acc)
+    static void valueBlock(const int32_t* tw, int t0, int t1, int k, const float* coef, float* acc)
     {
-        constexpr int CPW = 32 / BITS;
-        typename S::F a[NR][QNC];
+        constexpr int NW = D * BITS / 64, P = 16 / BITS, NA = VNB * VPB;
+        constexpr int TILE_WORDS = 16 * D * BITS / 32;
+        typename S::F a[NR][NA];
         for (int i = 0; i < NR; ++i)
-            for (int j = 0; j < QNC; ++j)
-                a[i][j] = S::load(acc + i * D + (n0 + j) * W);
-        const int64_t headBase = int64_t(sp.seq) * c.maxBlocks;
-        for (int t = t0; t < t1;)
-        {
-            const int32_t blk = c.blockTable[headBase + t / c.BS];
-            const int tEnd = imin(t1, (t / c.BS + 1) * c.BS);
-            const int32_t* words = c.vCodes + ((int64_t(blk) * c.Hkv + g) * c.BS + t % c.BS) * (D / CPW);
-            for (; t < tEnd; ++t, words += D / CPW)
+            for (int j = 0; j < NA; ++j)
+                a[i][j] = S::load(acc + i * D + 16 * VNB * k + j * W);
+        for (int t = t0; t < t1; t += 16, tw += TILE_WORDS)
+            for (int tq = 0; tq < 4; ++tq)
             {
-                typename S::F cf[NR];
-                for (int i = 0; i < NR; ++i)
-                    cf[i] = S::set1(coef[int64_t(i) * scoreStride() + t]);
-                for (int j = 0; j < QNC; ++j)
+                const float* cft = coef + t + 2 * tq;
+#pragma GCC unroll 4
+                for (int e = 0; e < 2 * VNB; ++e)
                 {
-                    const typename S::F code = S::template decode<BITS>(words, 1, n0 + j);
-                    for (int i = 0; i < NR; ++i)
-                        a[i][j] = S::fma(cf[i], code, a[i][j]);
+                    const int j = (4 * VNB * k + 2 * e) / P;       // word (runtime: the address only)
+                    const int pp = (2 * e % P) / 2;             // compile-time position: constant shifts
+                    const typename S::WS ws = S::loadWords(tw + 8 * (tq * NW + j));
+#pragma GCC unroll 2
+                    for (int h = 0; h < 2; ++h)
+                    {
+                        const int tok = 8 * (e & 1) + h; // + 2 tq
+                        typename S::F cf[NR];
+#pragma GCC unroll 4
+                        for (int i = 0; i < NR; ++i)
+                            cf[i] = S::set1(cft[int64_t(i) * scoreStride() + tok]);
+#pragma GCC unroll 2
+                        for (int v = 0; v < VPB; ++v)
+                        {
+                            const typename S::F code = S::template decodeFrag<BITS>(ws, 16 * h + 2 * BITS * pp, v);
+#pragma GCC unroll 4
+                            for (int i = 0; i < NR; ++i)
+                                a[i][(e >> 1) * VPB + v] = S::fma(cf[i], code, a[i][(e >> 1) * VPB + v]);
+                        }
+                    }
                 }
             }
-        }
         for (int i = 0; i < NR; ++i)
-            for (int j = 0; j < QNC; ++j)
-                S::store(acc + i * D + (n0 + j) * W, a[i][j]);
+            for (int j = 0; j < NA; ++j)
+                S::store(acc + i * D + 16 * VNB * k + j * W, a[i][j]);
     }
 
     // acc += p_t * dequant(v_t) for per-token quantized values t in [t0, t1): coef = p_t * scale per token and
@@ -324,15 +432,36 @@ struct Attn
         float* vzf = s.vsz;
         for (int t = t0; t < t1;)
         {
-            const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + t / c.BS];
-            const int tEnd = imin(t1, (t / c.BS + 1) * c.BS);
-            int64_t idx = ((int64_t(blk) * c.Hkv + g) * c.BS + t % c.BS) * ng;
-            for (; t < tEnd; ++t)
-                for (int gi = 0; gi < ng; ++gi, ++idx)
+            const int jq = t - sp.sink; // store index
+            const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + jq / c.BS];
+            const int tEnd = imin(t1, t + (c.BS - jq % c.BS));
+            const int64_t idx = ((int64_t(blk) * c.Hkv + g) * c.BS + jq % c.BS) * ng;
+            if (tEnd < t1) // prefetch (into L2) the next block's scales and zeros
+            {
+                const int32_t nb = c.blockTable[int64_t(sp.seq) * c.maxBlocks + (tEnd - sp.sink) / c.BS];
+                const int sb = dtypeBytes(c.scaleDtype);
+                const int64_t nIdx = (int64_t(nb) * c.Hkv + g) * c.BS * ng * sb;
+                for (int i = 0; i < imin(c.BS, t1 - tEnd) * ng * sb; i += 64)
                 {
-                    vsf[gi * scoreStride() + (t - t0)] = S::scale(c.vScale, idx, c.scaleDtype);
-                    vzf[gi * scoreStride() + (t - t0)] = S::scale(c.vZero, idx, c.scaleDtype);
+                    __builtin_prefetch(static_cast<const char*>(c.vScale) + nIdx + i, 0, 2);
+                    __builtin_prefetch(static_cast<const char*>(c.vZero) + nIdx + i, 0, 2);
                 }
+            }
+            // token-major [t][gi] -> fp32 with vector conversions (a multiple of 16 tokens), then group-major
+            const int n = (tEnd - t) * ng;
+            for (int i = 0; i < n; i += W)
+            {
+                S::store(s.tmp + i, S::loadAct(c.vScale, idx + i, c.scaleDtype));
+                S::store(s.tmp + 4 * kSCORE_STRIDE + i, S::loadAct(c.vZero, idx + i, c.scaleDtype));
+            }
+            for (int gi = 0; gi < ng; ++gi)
+                for (int i = 0; i < n; i += W * ng)
+                {
+                    const int tt = t - t0 + i / ng;
+                    S::store(vsf + gi * scoreStride() + tt, S::gather(s.tmp + i + gi, ng));
+                    S::store(vzf + gi * scoreStride() + tt, S::gather(s.tmp + 4 * kSCORE_STRIDE + i + gi, ng));
+                }
+            t = tEnd;
         }
         for (int gi = 0; gi < ng; ++gi)
             for (int t = span; t < spanPad; ++t)
@@ -351,18 +480,33 @@ struct Attn
                 }
                 s.zacc[row * 8 + gi] += S::hsum(z);
             }
-        for (int n0 = 0; n0 < NV; n0 += QNC)
+        constexpr int TILE_WORDS = 16 * D * BITS / 32;
+        for (int t = t0; t < t1;) // transpose every tile of the span once (shared by all chunks and rows)
         {
-            const int gi = n0 * W / c.Gv;
+            const int jq = t - sp.sink; // store index
+            const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + jq / c.BS];
+            const int tEnd = imin(t1, t + (c.BS - jq % c.BS));
+            const int32_t* words = c.vCodes + (int64_t(blk) * c.Hkv + g) * int64_t(c.BS / 16) * TILE_WORDS
+                + int64_t(jq % c.BS / 16) * TILE_WORDS;
+            for (; t < tEnd; t += 16, words += TILE_WORDS)
+            {
+                for (int i = 0; i < TILE_WORDS * 4; i += 64) // 4 tiles ahead (within the block's contiguous words)
+                    __builtin_prefetch(reinterpret_cast<const char*>(words + 4 * TILE_WORDS) + i, 0, 2);
+                transposeTile<BITS>(words, s.tw + int64_t(t - t0) / 16 * TILE_WORDS);
+            }
+        }
+        for (int k = 0; k < D / (16 * VNB); ++k)
+        {
+            const int gi = 16 * VNB * k / c.Gv; // the value group of these channels (Gv >= 32 >= 16 VNB)
             for (int r0 = 0; r0 < rows; r0 += QRB)
             {
                 const float* coef = s.coef + (int64_t(gi) * rows + r0) * scoreStride() - a;
                 float* acc = s.acc + r0 * D;
                 switch (imin(QRB, rows - r0))
                 {
-                case 1: valueBlock<BITS, 1>(c, sp, g, t0, t1, n0, coef, acc); break;
-                case 2: valueBlock<BITS, 2>(c, sp, g, t0, t1, n0, coef, acc); break;
-                default: valueBlock<BITS, 3>(c, sp, g, t0, t1, n0, coef, acc); break;
+                case 1: valueBlock<BITS, 1>(s.tw, t0, t1, k, coef, acc); break;
+                case 2: valueBlock<BITS, 2>(s.tw, t0, t1, k, coef, acc); break;
+                default: valueBlock<BITS, 3>(s.tw, t0, t1, k, coef, acc); break;
                 }
             }
         }
@@ -417,16 +561,21 @@ struct Attn
     static void splitPartial(const Ctx& c, const SeqPlan& sp, int g, int pos0, int npos, int split, Scratch& s)
     {
         const int rows = npos * c.grp;
-        const int a = split * kSPLIT_LEN;
+        const int a = splitStart(split, c.sinks);
         const int lastPos = sp.past + pos0 + npos - 1;
-        const int b = imin(imin(a + kSPLIT_LEN, sp.nKeys), lastPos + 1);
-        const int qend = imin(b, sp.nq);
+        const int b = imin(imin(splitStart(split + 1, c.sinks), sp.nKeys), lastPos + 1);
+        // positions: sinks [0, sink), quantized [sink, qEnd) (store index t - sink), ring [qEnd, past), chunk
+        const int qEnd = sp.sink + sp.nq;
+        const int qa = imax(a, sp.sink), qend = imin(b, qEnd); // quantized keys of this split (whole tiles)
+        if (c.keyGrouping == 0 && qEnd > splitStart(split + 1, c.sinks)) // the next split, which this thread
+            prefetchStore(c, sp, g, splitStart(split + 1, c.sinks),       // likely runs next (item order)
+                imin(qEnd, splitStart(split + 2, c.sinks)));
         // 1. scores of keys [a, b)
-        if (a < qend)
+        if (qa < qend)
         {
             if (c.keyGrouping == 0)
             {
-                for (int t0 = a; t0 < qend; t0 += c.G)
+                for (int t0 = qa; t0 < qend; t0 += c.G)
                 {
                     switch (c.kBits)
                     {
@@ -438,7 +587,7 @@ struct Attn
             }
             else
             {
-                for (int t = a; t < qend; ++t)
+                for (int t = qa; t < qend; ++t)
                 {
                     switch (c.kBits)
                     {
@@ -449,16 +598,19 @@ struct Attn
                 }
             }
         }
-        const int winStart = imax(a, sp.nq), winEnd = imin(b, sp.past);
+        const int sinkEnd = imin(b, sp.sink);
+        const int winStart = imax(a, qEnd), winEnd = imin(b, sp.past);
         const int chStart = imax(a, sp.past);
         const int64_t headRow = int64_t(sp.slot) * c.Hkv + g;
-        auto winOff = [&](int t) { return (headRow * c.W + t % c.W) * D; };
+        auto winOff = [&](int t) { return (headRow * c.winRows + windowRowOf(t, c.sinks, c.W)) * D; };
         auto denseOff = [&](int t) { return (headRow * c.maxSeqLen + t) * D; };
         auto chunkOff = [&](int t) { return (int64_t(sp.tokOffset + t - sp.past) * c.Hkv + g) * D; };
         if (c.dense)
             scoresFull(c.kWin, c.cacheDtype, denseOff, rows, a, b, a, s);
         else
         {
+            if (a < sinkEnd)
+                scoresFull(c.kWin, c.actDtype, winOff, rows, a, sinkEnd, a, s);
             if (winStart < winEnd)
                 scoresFull(c.kWin, c.actDtype, winOff, rows, winStart, winEnd, a, s);
             if (chStart < b)
@@ -506,22 +658,25 @@ struct Attn
             for (int i = 0; i < 8; ++i)
                 s.zacc[row * 8 + i] = 0.0f;
         }
-        if (a < qend)
+        if (qa < qend)
         {
             switch (c.vBits)
             {
-            case 2: valuesQuantized<2>(c, sp, g, rows, a, qend, a, s); break;
-            case 4: valuesQuantized<4>(c, sp, g, rows, a, qend, a, s); break;
-            default: valuesQuantized<8>(c, sp, g, rows, a, qend, a, s); break;
+            case 2: valuesQuantized<2>(c, sp, g, rows, qa, qend, a, s); break;
+            case 4: valuesQuantized<4>(c, sp, g, rows, qa, qend, a, s); break;
+            default: valuesQuantized<8>(c, sp, g, rows, qa, qend, a, s); break;
             }
             for (int row = 0; row < rows; ++row)
-                for (int d = 0; d < D; ++d)
-                    s.acc[row * D + d] += s.zacc[row * 8 + d / c.Gv];
+                for (int n = 0; n < NV; ++n) // Gv >= 32 >= W: a vector lies in one value group
+                    S::store(s.acc + row * D + n * W,
+                        S::add(S::load(s.acc + row * D + n * W), S::set1(s.zacc[row * 8 + n * W / c.Gv])));
         }
         if (c.dense)
             valuesFull(c.vWin, c.cacheDtype, denseOff, rows, a, b, a, s);
         else
         {
+            if (a < sinkEnd)
+                valuesFull(c.vWin, c.actDtype, winOff, rows, a, sinkEnd, a, s);
             if (winStart < winEnd)
                 valuesFull(c.vWin, c.actDtype, winOff, rows, winStart, winEnd, a, s);
             if (chStart < b)
@@ -601,7 +756,7 @@ struct Attn
             return;
         }
         const int lastPos = sp.past + pos0 + npos - 1;
-        const int nSplits = lastPos / kSPLIT_LEN + 1; // splits starting at or before the tile's last position
+        const int nSplits = numSplitsOf(lastPos + 1, c.sinks); // splits starting at or before the last position
         for (int j = 0; j < nSplits; ++j)
         {
             splitPartial(c, sp, it.kvHead, pos0, npos, j, s);
