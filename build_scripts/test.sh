@@ -9,9 +9,10 @@ cd "$(dirname "$0")/.."
 bash build_scripts/install.sh --test
 bash build_scripts/build_cpu_kernels.sh --jobs 2  # CI tests the native CPU kernels: a build failure fails here
 bash build_scripts/build_plugin.sh --arch "${KIVI_CUDA_ARCHS:-90}" --jobs 2
-# the static SASS performance model of the decode kernels (sm_90 + sm_80 cubins; benchmarks/kernel_model.md). It fails
-# the run when the default kernel is predicted issue- or shared-memory-bound at Llama-3-8B, batch 8, 32K on H200.
-.venv/bin/python benchmarks/kernel_model.py --fail-if-default-not-memory-bound
+# the static SASS performance model of the decode and append kernels (sm_90 + sm_80 cubins; benchmarks/kernel_model.md).
+# It fails the run when the default decode kernel is predicted issue- or shared-memory-bound at Llama-3-8B, batch 8,
+# 32K on H200, or the append (quantize-and-store) kernel below 80% of copy bandwidth for prefill chunks of >= 4K.
+.venv/bin/python benchmarks/kernel_model.py --fail-if-default-not-memory-bound --fail-if-append-below-copy-bw
 TRTLLM_KIVI_TRITON_ENV="$(bash build_scripts/setup_triton_env.sh | tail -n 1)"
 export TRTLLM_KIVI_TRITON_ENV
 # lint and types first (pyproject.toml: ruff default + B, UP, SIM; mypy): a finding fails the run

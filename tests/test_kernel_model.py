@@ -339,3 +339,29 @@ def test_two_runs_are_equal(sm90_results):
     a = json.dumps(_h200_records(first, sm90_results[1]), sort_keys=True)
     b = json.dumps(_h200_records(*again), sort_keys=True)
     assert a == b
+
+
+# ----------------------------------------------------------------------------------------------- the append kernel
+
+
+@pytest.mark.slow
+def test_append_model_records_and_gate():
+    """kiviAppendKernel (the quantize-and-store path of a prefill chunk): one record per (GPU, model, batch, chunk),
+    every executed shared-memory access mapped, no spills, no untagged loop on the path, and the gate follows the
+    records' fraction of copy bandwidth (issue 12: >= 80% for chunks of >= 4K tokens)."""
+    _tools_or_skip()
+    results, versions = km.analyze(km.APPEND_KERNELS, ["sm_90"], jobs=1)
+    records = km.append_records(results, versions)
+    h200 = [r for r in records if r["gpu"] == "H200"]
+    assert len(h200) == len(km.MODELS) * len(km.APPEND_BATCHES) * len(km.APPEND_CHUNKS)
+    for r in h200:
+        assert r["label"] == "static model, not a measurement" and r["bound"] in ("issue", "shared", "memory")
+        assert r["zero_spills"] and r["per_group"]["bytes"] == km.append_group_bytes(km.MODELS[r["model"]])
+        assert not r["per_group"]["unmapped_smem"], r["per_group"]["unmapped_smem"]
+        assert not r["per_cta_outside_group_loop"]["untagged_loops_counted_once"]
+        assert 0 < r["fraction_of_copy_bw"] <= 1.0 and r["predicted_us"] >= r["copy_bw_us"]
+    worst = min((r for r in h200 if r["chunk"] >= 4096), key=lambda r: r["fraction_of_copy_bw"])
+    why = km.gate_append(h200)
+    assert (why is None) == (worst["fraction_of_copy_bw"] >= km.APPEND_MIN_FRACTION)
+    assert "of copy bandwidth" in km.gate_append([dict(worst, fraction_of_copy_bw=0.5)])
+    assert km.gate_append([dict(worst, fraction_of_copy_bw=0.9)]) is None

@@ -10,6 +10,9 @@ Oracles: trtllm_kivi.reference.kivi_attention_ / append on the CPU, from identic
     same bound the lane-level CPU emulation is tested against. The output starts filled with NaN (sentinel):
     every element must be written, rows no sequence covers included (zeros).
   - loose check: 8-bit KIVI vs full-precision attention on the original K/V.
+Sequences of >= 64 query rows (chunk_len x GQA) run in the prefill kernel (kiviPrefillMma.cuh), the others in the
+decode kernel, in the same step; every step's append is kiviAppendKernel (one launch: window groups, then the window
+rows, in CTA y = 0; chunk groups in the others).
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ class Pair:
         self.gpu = KiviBuffers(*(t.cuda() for t in self.ref))
 
     def step(self, lib: _abi.KiviLibrary, chunks: list[int], *, max_seq_len: int = 0,
-             impl: int = _abi.ATTN_AUTO) -> None:
+             impl: int = _abi.ATTN_AUTO, max_chunk_len: int | None = None) -> None:
         """One step on both sides; compare out (sentinel-filled) and every buffer. impl: the attention kernel."""
         from trtllm_kivi.cuda.ops import kivi_attention_cuda_
         t = sum(chunks)
@@ -114,7 +117,9 @@ class Pair:
         out = torch.full((t, self.h, self.d), float("nan"), dtype=self.dtype, device="cuda")
         flag = torch.zeros(1, dtype=torch.int32, device="cuda")
         kivi_attention_cuda_(q.cuda(), k.cuda(), v.cuda(), self.slots.cuda(), past.cuda(), chunk.cuda(),
-                             self.table.cuda(), self.gpu, self.cfg, max_chunk_len=max(chunks), max_seq_len=max_seq_len,
+                             self.table.cuda(), self.gpu, self.cfg,
+                             max_chunk_len=max(chunks) if max_chunk_len is None else max_chunk_len,
+                             max_seq_len=max_seq_len,
                              error_flag=flag, out=out, attention_impl=impl, lib=lib)
         torch.cuda.synchronize()
         what = f"chunks {chunks} after {self.lens} (attention_impl {impl})"
@@ -346,3 +351,17 @@ def test_occupancy_query_and_whole_waves(lib):
             assert cps >= 1, (kb, vb, cps)
             plan = model.launch_plan(cfg, 32, 8, 128, 8, 8, 300, 1, 32768, sms, cps)
             assert plan.num_tiles * 8 * plan.num_splits <= sms * cps
+
+
+@pytest.mark.parametrize("gqa, dtype", [(4, torch.float16), (3, torch.bfloat16), (1, torch.float16)])
+def test_unhinted_chunk_bound_runs_both_kernels(lib, gqa, dtype):
+    """The TensorRT plugin passes max_chunk_len = 0 (any chunk up to num_tokens): a decode batch of 40 then has a
+    prefill grid whose CTAs find no sequence, a mixed step splits its sequences between the two kernels, and a long
+    chunk's append runs in the chunk CTAs. Oracle: the reference, every buffer bit-exact, outputs within tolerance."""
+    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=32, block_size=128)
+    hkv = 2
+    pair = Pair(cfg, gqa * hkv, hkv, 128, dtype, batch=40, mbs=6, seed=gqa)
+    pair.fill_history([(37 * i) % 500 for i in range(40)])
+    pair.step(lib, [1] * 40, max_chunk_len=0)
+    pair.step(lib, [(i % 3) * 40 if i % 7 == 0 else 1 for i in range(40)], max_chunk_len=0)
+    pair.step(lib, [1] * 40, max_chunk_len=0)

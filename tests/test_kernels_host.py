@@ -156,9 +156,15 @@ def test_launch_plan_matches_the_model_and_bounds_the_work(host_lib):
         got = host_lib.launch_plan(p)
         want = model.launch_plan(cfg, hkv * grp, hkv, p.headDim, batch, tokens, mbs, 0, max_seq, sms, cps)
         assert got == want.__dict__, (got, want)
-        assert want.num_tiles >= sum(math.ceil(c * grp / want.tile_rows) for c in chunks)
+        # every sequence runs in exactly one kernel, and each kernel's grid covers its sequences' tiles
+        pf = [c for c in chunks if want.is_prefill(c)]
+        dec = [c for c in chunks if not want.is_prefill(c)]
+        assert want.num_tiles >= sum(math.ceil(c * grp / want.tile_rows) for c in dec)
+        assert want.num_prefill_tiles >= sum(math.ceil(c * grp / 64) for c in pf)
+        assert (want.num_prefill_tiles > 0) == (tokens * grp >= 64)  # max_chunk_len = 0: any chunk up to T
         slots = (sms or 132) * (cps or 4)
-        assert want.num_tiles * hkv * want.num_splits <= max(slots, want.num_tiles * hkv)  # never past one wave
+        base = (want.num_tiles + want.num_prefill_tiles) * hkv
+        assert base * want.num_splits <= max(slots, base)  # never past one wave
         assert want.split_len % 32 == 0 and want.num_splits * want.split_len >= want.max_seq_len
         assert (want.num_splits - 1) * want.split_len < want.max_seq_len  # no split is empty for every length
         for c in chunks:
@@ -219,20 +225,21 @@ def test_profile_workspace_serves_every_step_of_the_profile(host_lib):
 
 def test_profile_workspace_numbers_for_long_prefill_profiles(host_lib):
     """Issue 12: a Llama-3-8B layer (32 q heads, 8 KV heads, D 128) with profiles up to 8K and 32K tokens per step
-    and 32K / 128K contexts was given 141 MB and 550 MB of split workspace sized by a bound on T x numSplits. With
-    tiles of 8 query rows (GQA 4: 2 tokens per tile, + 1 per sequence) and splits = floor(132 SMs x 3 CTAs / (tiles x
-    8 KV heads)), the step with the most partial rows is batch 1, T = 46 tokens: 24 tiles x 8 = 192 CTAs, 2 splits,
-    46 x 32 x 2 rows of 130 fp32 (T = 47 has 25 tiles: 1 split) + seq info."""
+    and 32K / 128K contexts was given 141 MB and 550 MB of split workspace sized by a bound on T x numSplits. Now
+    splits = floor(132 SMs x 3 CTAs / (tiles of both kernels x 8 KV heads)): at batch 1 and T >= 16 tokens (64 query
+    rows, GQA 4) the sequence may be a prefill one, so the grid holds at most 8 decode tiles + floor(4T / 64) + 1
+    prefill tiles; the step with the most partial rows is T = 255: 8 + 16 tiles x 8 = 192 CTAs, 2 splits,
+    255 x 32 x 2 rows of 130 fp32 (T = 256 has 8 + 17 tiles: 1 split) + seq info: 8.1 MB, not 141 / 550 MB."""
     for t_max, mbs in ((8192, 256), (32768, 1024)):
         big = make(h=32, hkv=8, d=128, batch=8, tokens=t_max, maxBlocksPerSeq=mbs)
         limit = host_lib.workspace_size_for_profile(big, 1, 1, mbs)
-        rows = 46 * 32 * 2
+        rows = 255 * 32 * 2
         assert limit == math.ceil(rows * 128 * 4 / 256) * 256 + math.ceil(rows * 2 * 4 / 256) * 256 + 256, limit
-        step = make(h=32, hkv=8, d=128, batch=1, tokens=46, maxBlocksPerSeq=mbs)
-        assert host_lib.launch_plan(step)["num_splits"] == 2
-        assert host_lib.launch_plan(make(h=32, hkv=8, d=128, batch=1, tokens=47, maxBlocksPerSeq=mbs))[
+        plan = host_lib.launch_plan(make(h=32, hkv=8, d=128, batch=1, tokens=255, maxBlocksPerSeq=mbs))
+        assert (plan["num_splits"], plan["num_tiles"], plan["num_prefill_tiles"]) == (2, 8, 16)
+        assert host_lib.launch_plan(make(h=32, hkv=8, d=128, batch=1, tokens=256, maxBlocksPerSeq=mbs))[
             "num_splits"] == 1
-        assert limit < 2 * 2 ** 20
+        assert limit < 9 * 2 ** 20
     # A profile whose minimum already fills the GPU never splits: seq info only.
     big = make(h=32, hkv=8, d=128, batch=8, tokens=8192, maxBlocksPerSeq=256)
     assert host_lib.workspace_size_for_profile(big, 4096, 8, 256) == 256

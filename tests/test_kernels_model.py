@@ -100,3 +100,43 @@ def test_model_plan_fills_one_wave():
         ctas = plan.num_tiles * 8 * plan.num_splits
         assert plan.num_tiles == batch
         assert ctas <= 132 * 4 and (ctas >= 0.9 * 132 * 4 or plan.num_splits == 1), (batch, ctas)
+
+
+@pytest.mark.parametrize("sdt", [torch.float16, torch.bfloat16, torch.float32])
+def test_fast_code_path_equals_the_ieee_division(sdt):
+    """kiviAppend.cuh quantizes with rint((x - z) fl(1 / s)) where its error bound (< 2^-13 below 512) cannot flip
+    the rounding, else by the IEEE division (quantizeCode). Oracle: rint(fl((x - z) / s)), clamped -- the
+    reference's codes -- on adversarial inputs: quotients within a few ulps of every half-integer (the ties the fast
+    path must hand over), random values, values past both ends, NaN / inf, zero and tiny scales."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    f32 = np.float32
+    n = 200_000
+    scale = torch.from_numpy(rng.uniform(1e-4, 3.0, n).astype(f32)).to(sdt).float().numpy()
+    zero = torch.from_numpy(rng.normal(0, 2, n).astype(f32)).to(sdt).float().numpy()
+    k = rng.integers(-2, 260, n).astype(f32)
+    ulps = rng.integers(-8, 9, n).astype(f32)
+    near = (zero + (k + f32(0.5)) * scale).astype(f32)
+    near = (near + ulps * np.spacing(np.abs(near)).astype(f32)).astype(f32)  # within 8 ulps of a tie
+    rand = (zero + rng.uniform(-3, 300, n).astype(f32) * scale).astype(f32)
+    special = np.array([np.nan, np.inf, -np.inf, 0.0, 1e30, -1e30], f32)
+    x = np.concatenate([near, rand, np.resize(special, n)])
+    s = np.concatenate([scale, scale, np.resize(np.array([0.0, 1e-40, 1.0], f32), n)]).astype(f32)
+    z = np.concatenate([zero, zero, np.zeros(n, f32)])
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        inv = (f32(1) / s).astype(f32)
+    ulp_off = rng.integers(-1, 2, inv.shape)  # the kernel's rcp.approx is within 1 ulp: any such value must do
+    inv_approx = np.where(ulp_off < 0, np.nextafter(inv, f32(-np.inf)),
+                          np.where(ulp_off > 0, np.nextafter(inv, f32(np.inf)), inv)).astype(f32)
+    for bits in (2, 4, 8):
+        levels = f32(2 ** bits - 1)
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            want = np.rint(((x - z).astype(f32) / s).astype(f32))
+        want = np.where(s == 0, 0, np.nan_to_num(np.clip(want, 0, levels), nan=0.0)).astype(np.uint32)
+        for iv in (None, inv_approx):
+            got = model.quantize_codes(x, s, z, levels, inv=iv)
+            assert np.array_equal(got, want), (bits, np.nonzero(got != want)[0][:10])
+    # both paths ran: the near-tie inputs send some 2-bit codes to the division
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        q = ((near - zero).astype(f32) * (f32(1) / scale).astype(f32)).astype(f32)
+    assert 0 < (np.abs(q - np.rint(q)) >= f32(0.5) - f32(2.0 ** -18)).sum() < n

@@ -28,7 +28,8 @@ MAX_TILE_ROWS = 16
 MIN_SPLIT_LEN = 256
 DEFAULT_NUM_SMS = 132
 MMA_CTAS_PER_SM = 3  # kMMA_CTAS_PER_SM: the occupancy the split is sized for when the caller passes none
-TILE_ROWS = 8  # kTILE_ROWS: query rows per attention CTA (the MMA's N)
+TILE_ROWS = 8  # kTILE_ROWS: query rows per decode attention CTA (the MMA's N)
+PREFILL_TILE_ROWS = 64  # kPREFILL_TILE_ROWS: query rows per prefill attention CTA (4 warps x the MMA's M)
 SEQ_INFO_INTS = 8
 CUDA_ERROR_INVALID_VALUE = 1
 
@@ -40,7 +41,7 @@ _PTR_FIELDS = ("q", "k", "v", "out", "slotIds", "pastLen", "chunkLen", "blockTab
 
 PLAN_FIELDS = ("window_capacity", "max_seq_len", "max_chunk_len", "group_heads", "tile_tokens", "num_tiles",
                "split_len", "num_splits", "flush_groups_per_seq", "seq_info_bytes", "partial_bytes",
-               "workspace_size", "tile_rows", "ctas_per_sm")
+               "workspace_size", "tile_rows", "ctas_per_sm", "num_prefill_tiles")
 
 
 class KiviStepParams(ctypes.Structure):

@@ -375,7 +375,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_ids: torch
               chunk_len: torch.Tensor, block_table: torch.Tensor, buffers: KiviBuffers, cfg: KiviConfig,
               max_chunk_len: int = 0, max_seq_len: int = 0, num_sms: int = 0, ctas_per_sm: int = 0
               ) -> tuple[torch.Tensor, LaunchPlan, int]:
-    """The attend half of a step as kiviDecodeMmaKernel + kiviCombineKernel compute it -> (out, plan, error bits).
+    """The attend half of a step as kiviDecodeMmaKernel (sequences of < 64 query rows), kiviPrefillMmaKernel
+    (trtllm_kivi/cuda/prefill_model.py: the others) and kiviCombineKernel compute it -> (out, plan, error bits).
     Buffers are not modified; rows of invalid sequences and rows no sequence covers are zero."""
     tokens, nh, d = q.shape
     num_blocks, hkv = buffers.k_codes.shape[:2]
@@ -391,14 +392,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_ids: torch
     ml = np.zeros((tokens, nh, plan.num_splits, 2), np.float32)
     part = np.zeros((tokens, nh, plan.num_splits, d), np.float32)
     qf, kf, vf = q.float().numpy(), k.float().numpy(), v.float().numpy()
-    tile_offsets = [i.tile_offset for i in infos]
-    for tile in range(plan.num_tiles):
-        b = max(i for i in range(batch) if tile_offsets[i] <= tile)  # findSequence
+    from . import prefill_model
+    # the decode kernel's tiles (8 rows), then the prefill kernel's (64 rows): kiviPrepareKernel gives every
+    # sequence to exactly one of them
+    kernels = [(plan.num_tiles, N, "tile_offset", "tile_count", cta),
+               (plan.num_prefill_tiles, prefill_model.ROWS, "prefill_tile_offset", "prefill_tile_count",
+                prefill_model.cta)]
+    work = [(tile, rows, off, cnt, fn) for n_tiles, rows, off, cnt, fn in kernels for tile in range(n_tiles)]
+    for tile, rows, off_field, cnt_field, cta_fn in work:
+        b = max(i for i in range(batch) if getattr(infos[i], off_field) <= tile)  # findSequence
         info = infos[b]
-        if tile >= info.tile_offset + info.tile_count or not info.valid:
+        off = getattr(info, off_field)
+        if tile >= off + getattr(info, cnt_field) or not info.valid:
             continue
         s, c, slot = pasts[b], chunks[b], slots[b]
-        rho = (tile - info.tile_offset) * N + np.arange(N)  # flattened rows of the chunk
+        rho = (tile - off) * rows + np.arange(rows)  # flattened rows of the chunk
         live = rho < c * grp
         r_tok, r_head = np.where(live, rho // grp, 0), np.where(live, rho % grp, 0)
         key_end = s + int(r_tok[live].max()) + 1
@@ -413,7 +421,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_ids: torch
                 if k0 >= key_end:
                     continue
                 k1 = min(k0 + info.split_len, key_end)
-                m, lsum, o = cta(ctx, qrows, live, pos, k0, k1, nq, block_table[b], h, slot, s, k_chunk, v_chunk)
+                m, lsum, o = cta_fn(ctx, qrows, live, pos, k0, k1, nq, block_table[b], h, slot, s, k_chunk,
+                                    v_chunk)
                 for n in np.nonzero(live)[0]:
                     t_, hd = tok + r_tok[n], h * grp + r_head[n]
                     if plan.num_splits == 1:

@@ -3,10 +3,12 @@
 It runs the same work split as the GPU code, CTA by CTA, in numpy/torch on the CPU:
   - launch_plan: kiviLaunchPlan (tiles of query rows, split length, grid sizes, workspace bytes);
   - prepare: kiviPrepareKernel (token/tile offsets, device-side checks, error bits);
-  - attention: the default mma.sync kernel, emulated lane by lane in trtllm_kivi/cuda/mma_model.py (fragments,
-    magic-number conversion, folded scales, warps and splits, the combine);
-  - append: kiviFlushKernel + kiviWindowKernel (which G-groups are flushed, from where, into which block/row/word,
-    with the kernel's fp32 arithmetic: IEEE division, rint half-to-even).
+  - attention: the mma.sync decode kernel, emulated lane by lane in trtllm_kivi/cuda/mma_model.py (fragments,
+    magic-number conversion, folded scales, warps and splits, the combine), and for sequences of >= 64 query rows
+    the prefill kernel (trtllm_kivi/cuda/prefill_model.py: dequantized tiles, FlashAttention-2 over 64 rows);
+  - append: kiviAppendKernel (which CTA flushes which G-group, from where, into which block/row/word, with the
+    kernel's fp32 arithmetic: codes by the reciprocal fast path where it provably equals the IEEE division, the
+    division elsewhere, rint half-to-even).
 Format v2 sinks (format.py), as the kernels keep them: sink rows are a full-precision key source (window rows
 [0, S)), store index j is token S + j; the attention kernel reads the store, then the sinks, then the ring and the
 chunk (mma_model). Rotation never reaches the op.
@@ -16,6 +18,7 @@ CUDA-specific parts (indexing in registers/shared memory, synchronization).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +28,7 @@ from ..format import KiviConfig, codes_per_word
 from ..reference.attention import KiviBuffers
 from ..reference.quant import pack_fragments, torch_dtype
 from ._abi import (DEFAULT_NUM_SMS, ERR_BLOCK_ID, ERR_CAPACITY, ERR_LENGTH, ERR_SLOT, KEY_TILE, MAX_TILE_ROWS,
-                   MIN_SPLIT_LEN, MMA_CTAS_PER_SM, SEQ_INFO_INTS, TILE_ROWS)
+                   MIN_SPLIT_LEN, MMA_CTAS_PER_SM, PREFILL_TILE_ROWS, SEQ_INFO_INTS, TILE_ROWS)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -52,8 +55,14 @@ class LaunchPlan:
     seq_info_bytes: int
     partial_bytes: int
     workspace_size: int
-    tile_rows: int  # query rows (flattened token x group head) per attention CTA: the MMA's N = 8
+    tile_rows: int  # query rows (flattened token x group head) per decode attention CTA: the MMA's N = 8
     ctas_per_sm: int  # resident attention CTAs per SM the split is sized for
+    num_prefill_tiles: int  # prefill kernel grid.x (0: no sequence of this step can have >= 64 query rows)
+
+    def is_prefill(self, chunk_len: int) -> bool:
+        """kiviPrepareKernel's assignment: a sequence with >= PREFILL_TILE_ROWS query rows runs in the prefill
+        kernel (decided from max(chunk_len, 0), the same rule for the prefix sums and the sequence itself)."""
+        return self.num_prefill_tiles > 0 and max(chunk_len, 0) * self.group_heads >= PREFILL_TILE_ROWS
 
 
 def launch_plan(cfg: KiviConfig, num_heads: int, num_kv_heads: int, head_dim: int, batch: int, num_tokens: int,
@@ -69,10 +78,16 @@ def launch_plan(cfg: KiviConfig, num_heads: int, num_kv_heads: int, head_dim: in
     tq = max(1, MAX_TILE_ROWS // grp)
     # per sequence ceil(c * grp / 8) tiles: sum <= ceil(T * grp / 8) + B and <= T * ceil(grp / 8)
     num_tiles = min(_ceil_div(num_tokens * grp, TILE_ROWS) + batch, num_tokens * _ceil_div(grp, TILE_ROWS))
+    # prefill sequences (c grp >= 64, possible only if max_chunk_len allows): <= c grp / 64 + 1 tiles each, at most
+    # min(B, floor(T grp / 64)) of them; every other sequence has < 64 rows, so at most 8 decode tiles
+    x = num_tokens * grp // PREFILL_TILE_ROWS if mcl * grp >= PREFILL_TILE_ROWS else 0
+    num_prefill_tiles = x + min(batch, x)
+    if num_prefill_tiles > 0:
+        num_tiles = min(num_tiles, batch * _ceil_div(PREFILL_TILE_ROWS - 1, TILE_ROWS))
     sms = num_sms if num_sms > 0 else DEFAULT_NUM_SMS
     cps = ctas_per_sm if ctas_per_sm > 0 else MMA_CTAS_PER_SM
     slots = sms * cps
-    base = max(num_tiles, 1) * num_kv_heads
+    base = max(num_tiles + num_prefill_tiles, 1) * num_kv_heads  # CTAs per split of both kernels
     max_splits = _ceil_div(max(msl, 1), MIN_SPLIT_LEN)
     splits = min(max(slots // base, 1), max_splits)  # whole wave: base * splits <= slots when base < slots
     split_len = _ceil_div(_ceil_div(max(msl, 1), splits), KEY_TILE) * KEY_TILE
@@ -84,7 +99,7 @@ def launch_plan(cfg: KiviConfig, num_heads: int, num_kv_heads: int, head_dim: in
         partial = _round256(rows * head_dim * 4) + _round256(rows * 2 * 4)
     ws = 0 if batch <= 0 or num_tokens <= 0 else seq_info + partial
     return LaunchPlan(w, msl, mcl, grp, tq, num_tiles, split_len, num_splits, _ceil_div(mcl, cfg.group_size),
-                      seq_info, partial, ws, TILE_ROWS, cps)
+                      seq_info, partial, ws, TILE_ROWS, cps, num_prefill_tiles)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -116,13 +131,15 @@ class SeqInfo:
     tile_count: int
     valid: bool
     split_len: int  # this sequence's length spread over all plan.num_splits splits
+    prefill_tile_offset: int = 0
+    prefill_tile_count: int = 0  # > 0: the sequence runs in the prefill kernel (its decode tile_count is 0)
 
 
 def prepare(plan: LaunchPlan, cfg: KiviConfig, slot_ids: list[int], past_len: list[int], chunk_len: list[int],
             block_table: torch.Tensor, num_tokens: int, num_blocks: int, num_slots: int) -> tuple[list[SeqInfo], int]:
     """kiviPrepareKernel for every sequence -> (infos, OR of the error bits)."""
     infos, flag = [], 0
-    tokens = tiles = 0
+    tokens = tiles = prefill_tiles = 0
     for b, (slot, s, c) in enumerate(zip(slot_ids, past_len, chunk_len, strict=False)):
         e, err = s + c, 0
         if s < 0 or c < 0 or c > plan.max_chunk_len or tokens + c > num_tokens:
@@ -138,11 +155,16 @@ def prepare(plan: LaunchPlan, cfg: KiviConfig, slot_ids: list[int], past_len: li
                 err |= ERR_BLOCK_ID
         rows = max(0, min(c, num_tokens - tokens))
         split_len = max(MIN_SPLIT_LEN, _ceil_div(_ceil_div(max(e, 0), plan.num_splits), KEY_TILE) * KEY_TILE)
-        infos.append(SeqInfo(min(tokens, num_tokens), tiles, _ceil_div(rows * plan.group_heads, plan.tile_rows),
-                             err == 0, split_len))
+        pf = plan.is_prefill(c)
+        infos.append(SeqInfo(min(tokens, num_tokens), tiles,
+                             0 if pf else _ceil_div(rows * plan.group_heads, plan.tile_rows), err == 0, split_len,
+                             prefill_tiles, _ceil_div(rows * plan.group_heads, PREFILL_TILE_ROWS) if pf else 0))
         flag |= err
         tokens += max(c, 0)
-        tiles += _ceil_div(max(c, 0) * plan.group_heads, plan.tile_rows)
+        if pf:
+            prefill_tiles += _ceil_div(max(c, 0) * plan.group_heads, PREFILL_TILE_ROWS)
+        else:
+            tiles += _ceil_div(max(c, 0) * plan.group_heads, plan.tile_rows)
     return infos, flag
 
 
@@ -166,24 +188,45 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_ids: torch
 
 def _quantize_group_np(x: np.ndarray, bits: int, sdt: torch.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The kernel's per-group arithmetic on x [..., n] (fp32): NaN-propagating min/max, scale = (mx - mn) / levels
-    (IEEE fp32), stored scale/zero rounded to sdt, codes rint((x - zero) / scale) clamped, 0 for scale 0 / NaN."""
+    (IEEE fp32), stored scale/zero rounded to sdt, codes by quantize_codes (the kernel's fast path + fallback)."""
     levels = np.float32(2 ** bits - 1)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         mn = x.min(axis=-1)  # numpy min/max propagate NaN like torch.amin/amax
         mx = x.max(axis=-1)
         scale = _round_to((mx - mn) / levels, sdt)
         zero = _round_to(mn, sdt)
-        q = np.rint((x - zero[..., None]) / scale[..., None])
-        q = np.nan_to_num(np.clip(q, 0, levels), nan=0.0)  # fmaxf(NaN, 0) = 0 in the kernel
-        q = np.where(scale[..., None] == 0, 0, q)
-    return q.astype(np.uint32), scale, zero
+    return quantize_codes(x, scale[..., None], zero[..., None], levels), scale, zero
+
+
+def quantize_codes(x: np.ndarray, scale: np.ndarray, zero: np.ndarray, levels: np.float32,
+                   inv: np.ndarray | None = None) -> np.ndarray:
+    """kiviAppend.cuh's codes (fp32 numpy, broadcasting): quantizeCodeFast -- q = fl(fl(x - z) inv) with inv = 1 / s
+    (the kernel's rcp.approx: within 2^-23; `inv` lets a test pass any such value; 0 for a zero scale, NaN where not
+    finite), code = min(sat(rint(q)), levels) where |q - rint(q)| < 0.5 - 2^(b - 20) (b = log2(levels + 1)) -- and
+    quantizeCode (the IEEE division) for the codes of every other word (here: every other code; the result is the
+    same)."""
+    f32 = np.float32
+    bits = int(round(math.log2(float(levels) + 1)))
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        if inv is None:
+            inv = (f32(1.0) / scale).astype(f32)
+        inv = np.where(scale == 0, f32(0), np.where(np.isfinite(inv), inv, f32(np.nan))).astype(f32)
+        q = ((x - zero).astype(f32) * inv).astype(f32)
+        r = np.rint(q)
+        ok = np.abs((q - r).astype(f32)) < f32(0.5) - f32(2.0 ** (bits - 20))
+        fast = np.clip(np.nan_to_num(r, nan=0.0, posinf=float(levels), neginf=0.0), 0, levels)
+        exact = np.rint(((x - zero).astype(f32) / scale).astype(f32))
+        exact = np.nan_to_num(np.clip(exact, 0, levels), nan=0.0)  # fmaxf(NaN, 0) = 0 in the kernel
+        exact = np.where(scale == 0, f32(0), exact)
+    return np.where(ok, fast, exact).astype(np.uint32)
 
 
 def append(k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tensor, past_len: torch.Tensor,
            chunk_len: torch.Tensor, block_table: torch.Tensor, buffers: KiviBuffers, cfg: KiviConfig,
            max_chunk_len: int = 0, max_seq_len: int = 0) -> int:
-    """The append half as kiviFlushKernel + kiviWindowKernel compute it; updates `buffers` in place and returns the
-    error bits. The flush CTA (b, y, h) handles groups y, y + gridDim.y, ... of sequence b."""
+    """The append half as kiviAppendKernel computes it; updates `buffers` in place and returns the error bits. CTA
+    (b, 0, h) flushes the groups that read window rows (tokens < s), then writes the window rows; CTAs (b, y >= 1, h)
+    flush the groups inside the chunk, gridDim.y - 1 apart (gridDim.y = 1 + floor(max_chunk_len / G))."""
     tokens, hkv, d = k.shape
     num_blocks = buffers.k_codes.shape[0]
     batch = slot_ids.shape[0]
@@ -196,7 +239,7 @@ def append(k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tensor, past_len: t
     gv = cfg.value_group_size(d)
     kpw = codes_per_word(cfg.k_bits)
     kf, vf = k.float().numpy(), v.float().numpy()
-    gy = min(plan.flush_groups_per_seq, 1024)
+    gy = 1 + min(plan.max_chunk_len // g, 1023)
     kwin, vwin = buffers.k_window.float().numpy(), buffers.v_window.float().numpy()  # read before step 2
     for b, info in enumerate(infos):
         if not info.valid:
@@ -210,8 +253,15 @@ def append(k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tensor, past_len: t
             return np.stack([src_w[slot, :, cfg.window_row(t)] if t < s else src_k[info.token_offset + t - s]
                              for t in ts], axis=1)  # [Hkv, G, D]
 
-        for y in range(gy):
-            for grp_i in range(y, (q1 - q0) // g, gy):
+        groups = (q1 - q0) // g
+        from_window = s - s0 - q0  # store indices [q0, q0 + from_window) are window rows
+        k_win = groups if gy == 1 else min(max(0, -(-from_window // g)), groups)
+        assignment = [list(range(k_win))] + [list(range(k_win + y - 1, groups, gy - 1)) for y in range(1, gy)]
+        assert sorted(i for a in assignment for i in a) == list(range(groups))  # every group exactly once
+        for y, mine in enumerate(assignment):
+            for grp_i in mine:
+                if y > 0:  # a chunk CTA never reads the window (the y = 0 CTA of (b, h) overwrites it)
+                    assert s0 + q0 + grp_i * g >= s
                 j0 = q0 + grp_i * g  # store index of the group; its tokens are [S + j0, S + j0 + G)
                 t0 = s0 + j0
                 blk, r = int(block_table[b, j0 // bs]), j0 % bs
@@ -229,7 +279,7 @@ def append(k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tensor, past_len: t
                 buffers.v_codes[blk, :, r:r + g] = words.reshape(hkv, g, -1)
                 buffers.v_scale[blk, :, r:r + g] = torch.from_numpy(scale).to(sdt)
                 buffers.v_zero[blk, :, r:r + g] = torch.from_numpy(zero).to(sdt)
-    for b, info in enumerate(infos):  # kiviWindowKernel, after every flush (stream order)
+    for b, info in enumerate(infos):  # CTA y = 0, after its window flushes (the chunk CTAs read no window row)
         if not info.valid:
             continue
         s, e, slot = pasts[b], pasts[b] + chunks[b], slots[b]

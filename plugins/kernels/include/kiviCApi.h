@@ -20,7 +20,8 @@ int32_t kiviCFormatVersion(void);
 //! 0 when params (a KiviStepParams*) are valid for `phase` (1 attention, 2 append, 3 step); else -1 + message.
 int32_t kiviCValidate(void const* params, int32_t phase);
 //! Launch plan fields as int64 [windowCapacity, maxSeqLen, maxChunkLen, groupHeads, tileTokens, numTiles, splitLen,
-//! numSplits, flushGroupsPerSeq, seqInfoBytes, partialBytes, workspaceSize, tileRows, ctasPerSm] into out[14].
+//! numSplits, flushGroupsPerSeq, seqInfoBytes, partialBytes, workspaceSize, tileRows, ctasPerSm, numPrefillTiles]
+//! into out[15].
 int32_t kiviCLaunchPlan(void const* params, int64_t* out);
 size_t kiviCWorkspaceSize(void const* params);
 //! Workspace bytes serving every step of a profile (kiviWorkspaceSizeForProfile): maxParams at the profile max.

@@ -92,22 +92,26 @@ __device__ __forceinline__ float storeScale(void* ptr, int64_t idx, int32_t dtyp
     return x;
 }
 
-//! IEEE fp32 division without the fp32 slow-path subroutine call (whose register saves count as spills): the
-//! quotient rounded once in fp64 then to fp32 is the correctly rounded fp32 quotient (53 >= 2 x 24 + 2 bits).
+//! IEEE fp32 division (correctly rounded a / b) without a subroutine call (div.rn.f32 / div.rn.f64 call a slow path
+//! whose register saves count as spills). Finite a, finite nonzero b: r = 1 / b in fp64 (rcp.approx + 2 Newton
+//! steps), q = a r corrected once by the residual: |q - a / b| <= 2^-52 |a / b|, while a / b (24-bit operands) is
+//! never an fp32 rounding midpoint and lies at a relative distance >= 2^-49 from each, so rounding q to fp32 gives
+//! fl(a / b). Special operands (NaN, inf, zero divisor) by one fp32 product with IEEE's results.
 __device__ __forceinline__ float ieeeDiv(float a, float b)
 {
-    return __double2float_rn(__ddiv_rn(double(a), double(b)));
-}
-
-//! min/max that propagate NaN like torch.amin/amax (fminf/fmaxf would drop it).
-__device__ __forceinline__ float nanMin(float a, float x)
-{
-    return (x != x || x < a) ? x : a;
-}
-
-__device__ __forceinline__ float nanMax(float a, float x)
-{
-    return (x != x || x > a) ? x : a;
+    if (!(fabsf(a) < INFINITY) || !(fabsf(b) < INFINITY) || b == 0.F)
+    {
+        float const rb = b == 0.F ? copysignf(INFINITY, b) : (fabsf(b) < INFINITY ? copysignf(1.F, b) : copysignf(0.F, b));
+        return __fmul_rn(a, rb); // NaN, inf / x, x / inf, x / 0, inf / inf, 0 / 0 as IEEE
+    }
+    double const x = a;
+    double const y = b;
+    double r;
+    asm("rcp.approx.ftz.f64 %0, %1;\n" : "=d"(r) : "d"(y));
+    r = __fma_rn(r, __fma_rn(-y, r, 1.0), r);
+    r = __fma_rn(r, __fma_rn(-y, r, 1.0), r);
+    double const q = __dmul_rn(x, r);
+    return __double2float_rn(__fma_rn(__fma_rn(-y, q, x), r, q));
 }
 
 //! Code of x: clamp(round_half_even((x - zero) / scale), 0, levels), 0 when the stored scale is 0 or the result is
@@ -150,10 +154,12 @@ struct SeqInfo
 {
     int32_t tokenOffset; //!< first row of this sequence in q/k/v/out (sum of clamped chunk_len before it)
     int32_t tileOffset;  //!< first attention tile of this sequence
-    int32_t tileCount;   //!< ceil(chunk_len / tileTokens)
+    int32_t tileCount;   //!< decode-kernel tiles: ceil(rows x groupHeads / kTILE_ROWS), 0 for a prefill sequence
     int32_t valid;       //!< 1 when every device-side check passed
     int32_t splitLen;    //!< keys per split of this sequence: its length spread over all numSplits (see KiviLaunchPlan)
-    int32_t spare[3];
+    int32_t prefillTileOffset; //!< first prefill-kernel tile of this sequence
+    int32_t prefillTileCount;  //!< ceil(rows x groupHeads / kPREFILL_TILE_ROWS) for a prefill sequence, else 0
+    int32_t spare;
 };
 
 static_assert(sizeof(SeqInfo) == kSEQ_INFO_INTS * sizeof(int32_t), "SeqInfo layout");
@@ -173,7 +179,8 @@ __device__ __forceinline__ int64_t numQuantizedDev(
 }
 
 //! Window row of token t: t for a sink (t < S), else S + (t - S) % W (format.py window_row).
-__device__ __forceinline__ int64_t windowRowDev(int64_t t, int32_t sinkTokens, int32_t w)
+//! 32-bit: kiviValidate caps token positions below 2^31, and a 64-bit remainder is a subroutine call.
+__device__ __forceinline__ int32_t windowRowDev(int32_t t, int32_t sinkTokens, int32_t w)
 {
     return t < sinkTokens ? t : sinkTokens + (t - sinkTokens) % w;
 }

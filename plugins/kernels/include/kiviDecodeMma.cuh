@@ -381,7 +381,7 @@ __device__ __forceinline__ uint32_t stagedPair2(char const* base, int32_t i0, in
     }
 }
 
-//! What a CTA works on (resolveMmaTile); run == false: nothing to do (rows of invalid sequences already zeroed).
+//! What a CTA works on (resolveTile); run == false: nothing to do (rows of invalid sequences already zeroed).
 struct MmaWork
 {
     bool run;
@@ -390,7 +390,7 @@ struct MmaWork
     int32_t b;
     SeqInfo info;
     int32_t row0;  //!< first flattened row of the tile within the chunk
-    int32_t nRows; //!< live rows (<= 8)
+    int32_t nRows; //!< live rows (<= the kernel's tile rows)
     int32_t slot;
     int32_t s; //!< key positions are int32: kiviValidate caps the capacity at INT32_MAX / 2 tokens
     int32_t k0;
@@ -398,8 +398,10 @@ struct MmaWork
     int32_t nq;
 };
 
-template <typename T, int kD>
-__device__ __forceinline__ MmaWork resolveMmaTile(KiviStepParams const& p, KiviLaunchPlan const& plan,
+//! The tile of CTA (blockIdx.x, KV head blockIdx.y, split blockIdx.z): kROWS query rows of the sequence whose
+//! tiles (SeqInfo fields kOFFSET, kCOUNT: the decode or the prefill kernel's) contain blockIdx.x.
+template <typename T, int kD, int kROWS, int32_t SeqInfo::*kOFFSET, int32_t SeqInfo::*kCOUNT>
+__device__ __forceinline__ MmaWork resolveTile(KiviStepParams const& p, KiviLaunchPlan const& plan,
     SeqInfo const* seqInfo)
 {
     MmaWork wk{};
@@ -409,16 +411,16 @@ __device__ __forceinline__ MmaWork resolveMmaTile(KiviStepParams const& p, KiviL
     int32_t const grp = plan.groupHeads;
     T* out = static_cast<T*>(p.out);
     // Rows no sequence covers are zeroed by kiviZeroUncoveredRowsKernel (one split) or kiviCombineKernel.
-    wk.b = findSequence<&SeqInfo::tileOffset>(seqInfo, p.batch, tile);
+    wk.b = findSequence<kOFFSET>(seqInfo, p.batch, tile);
     wk.info = seqInfo[wk.b];
-    if (tile >= wk.info.tileOffset + wk.info.tileCount)
+    if (tile >= wk.info.*kOFFSET + wk.info.*kCOUNT)
     {
         return wk;
     }
     int32_t const c = p.chunkLen[wk.b];
-    wk.row0 = (tile - wk.info.tileOffset) * kTILE_ROWS;
+    wk.row0 = (tile - wk.info.*kOFFSET) * kROWS;
     int32_t const rowsAll = min(c, p.numTokens - wk.info.tokenOffset) * grp;
-    wk.nRows = min(kTILE_ROWS, rowsAll - wk.row0);
+    wk.nRows = min(kROWS, rowsAll - wk.row0);
     if (!wk.info.valid)
     {
         if (plan.numSplits == 1 && wk.split == 0)
@@ -973,7 +975,7 @@ __global__ void __launch_bounds__(kMMA_THREADS, mmaMinCtas(kKB, kVB)) kiviDecode
     __shared__ float qS[kTILE_ROWS][kD + 8];
     __shared__ uint4 qaS[kD / 32 * 32];
 
-    MmaWork const wk = resolveMmaTile<T, kD>(p, plan, seqInfo);
+    MmaWork const wk = resolveTile<T, kD, kTILE_ROWS, &SeqInfo::tileOffset, &SeqInfo::tileCount>(p, plan, seqInfo);
     if (!wk.run)
     {
         return;

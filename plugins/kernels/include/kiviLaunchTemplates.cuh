@@ -9,6 +9,7 @@
 #include "kiviAttention.cuh"
 #include "kiviAttentionTc.cuh"
 #include "kiviDecodeMma.cuh"
+#include "kiviPrefillMma.cuh"
 
 #include <cuda_runtime_api.h>
 
@@ -86,9 +87,23 @@ cudaError_t launchKiviAttention(KiviStepParams const& p, KiviLaunchPlan const& p
     KiviLaunchPlan planc = plan;
     void* args[] = {&pc, &planc, &seqInfo, &partialAcc, &partialMl};
     err = cudaLaunchKernel(fn, grid, dim3(kMMA_THREADS), args, static_cast<size_t>(smem), stream);
-    if (err != cudaSuccess || plan.numSplits == 1)
+    if (err != cudaSuccess)
     {
         return err;
+    }
+    if (plan.numPrefillTiles > 0) // sequences with >= kPREFILL_TILE_ROWS query rows (the prepare kernel's choice)
+    {
+        dim3 const pgrid(plan.numPrefillTiles, p.numKvHeads, plan.numSplits);
+        kiviPrefillMmaKernel<T, kD><<<pgrid, kPF_THREADS, 0, stream>>>(p, plan, seqInfo, partialAcc, partialMl);
+        err = cudaGetLastError();
+        if (err != cudaSuccess)
+        {
+            return err;
+        }
+    }
+    if (plan.numSplits == 1)
+    {
+        return cudaSuccess;
     }
     int64_t const pairs = int64_t(p.numTokens) * p.numHeads;
     int64_t const blocks = (pairs + kATTN_WARPS - 1) / kATTN_WARPS;
@@ -115,22 +130,25 @@ cudaError_t launchLegacyAttention(KiviStepParams const& p, KiviLaunchPlan const&
     return cudaGetLastError();
 }
 
-//! Append: flush whole groups into the store, then write the window rows.
+//! Append (one launch): CTA y = 0 of each (sequence, KV head) flushes the groups that read window rows, then writes
+//! the window; CTAs y >= 1 flush the groups inside the chunk (at most floor(maxChunkLen / G) per sequence).
 template <typename T, int kD>
 cudaError_t launchKiviAppend(KiviStepParams const& p, KiviLaunchPlan const& plan, SeqInfo const* seqInfo,
     cudaStream_t stream)
 {
-    if (plan.flushGroupsPerSeq > 0)
+    int32_t const chunkGroups = plan.maxChunkLen / p.groupSize;
+    int32_t const gy = 1 + (chunkGroups < 1023 ? chunkGroups : 1023); // chunk CTAs stride past 1023
+    int32_t const smem = appendSmemBytes<T, kD>(p.groupSize);
+    if (smem > 48 * 1024)
     {
-        int32_t const gy = plan.flushGroupsPerSeq < 1024 ? plan.flushGroupsPerSeq : 1024; // CTAs stride past it
-        kiviFlushKernel<T, kD><<<dim3(p.batch, gy, p.numKvHeads), 128, 0, stream>>>(p, seqInfo);
-        cudaError_t const err = cudaGetLastError();
+        cudaError_t const err = cudaFuncSetAttribute(
+            &kiviAppendKernel<T, kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (err != cudaSuccess)
         {
             return err;
         }
     }
-    kiviWindowKernel<T, kD><<<dim3(p.batch, p.numKvHeads), 128, 0, stream>>>(p, seqInfo);
+    kiviAppendKernel<T, kD><<<dim3(p.batch, gy, p.numKvHeads), kAPPEND_THREADS, smem, stream>>>(p, seqInfo);
     return cudaGetLastError();
 }
 

@@ -121,16 +121,23 @@ struct KiviLaunchPlan
     int32_t tileRows;       //!< query rows per attention CTA (row r of a chunk = token r / groupHeads, head r %
                             //!< groupHeads): kTILE_ROWS, the MMA's N
     int32_t ctasPerSm;      //!< resolved KiviStepParams::ctasPerSm
+    int32_t numPrefillTiles; //!< prefill kernel grid.x (0: no sequence of this step can be a prefill sequence): an
+                             //!< upper bound of sum_b ceil(c_b x groupHeads / kPREFILL_TILE_ROWS) over the sequences
+                             //!< with c_b x groupHeads >= kPREFILL_TILE_ROWS (kiviPrepareKernel's assignment)
 };
 
 constexpr int32_t kKEY_TILE = 32;      //!< keys per attention tile (a G-group never straddles one: G % 32 == 0)
 constexpr int32_t kMAX_TILE_ROWS = 16; //!< query rows (tokens x heads of one KV head) per attention CTA
-constexpr int32_t kTILE_ROWS = 8;      //!< query rows per CTA of the mma.sync kernel (its N)
+constexpr int32_t kTILE_ROWS = 8;      //!< query rows per CTA of the mma.sync decode kernel (its N)
+//! Query rows per CTA of the prefill kernel (kiviPrefillMma.cuh: 4 warps x the MMA's M = 16). A sequence whose chunk
+//! has at least this many rows (chunk_len x groupHeads) runs there, every other one in the decode kernel.
+constexpr int32_t kPREFILL_TILE_ROWS = 64;
 constexpr int32_t kMIN_SPLIT_LEN = 256;
 constexpr int32_t kDEFAULT_NUM_SMS = 132;
 constexpr int32_t kMAX_SINK_TOKENS = 128; //!< format.py MAX_SINK_TOKENS
 constexpr int32_t kMMA_CTAS_PER_SM = 3; //!< default occupancy (__launch_bounds__ of kiviDecodeMmaKernel): tiles x KV heads x splits <= one wave of SMs x this
-constexpr int32_t kSEQ_INFO_INTS = 8; //!< per sequence: token/tile offsets, tile count, valid, split length, 3 spare
+constexpr int32_t kSEQ_INFO_INTS = 8; //!< per sequence: token/tile offsets, tile count, valid, split length, prefill tile
+                                      //!< offset and count, 1 spare
 
 //! Validate the host fields and pointers of `p` for `phase` (kPHASE_*). Returns 0 when valid, else writes a message
 //! naming the bad value and the allowed range into msg (always NUL-terminated) and returns -1.

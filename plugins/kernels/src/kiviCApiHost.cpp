@@ -36,8 +36,8 @@ int32_t kiviCLaunchPlan(void const* params, int64_t* out)
     int64_t const fields[] = {plan.windowCapacity, plan.maxSeqLen, plan.maxChunkLen, plan.groupHeads, plan.tileTokens,
         plan.numTiles, plan.splitLen, plan.numSplits, plan.flushGroupsPerSeq, int64_t(plan.seqInfoBytes),
         int64_t(plan.partialBytes), int64_t(trtllm_kivi::kernels::kiviWorkspaceSize(p)), plan.tileRows,
-        plan.ctasPerSm};
-    for (int32_t i = 0; i < 14; ++i)
+        plan.ctasPerSm, plan.numPrefillTiles};
+    for (int32_t i = 0; i < 15; ++i)
     {
         out[i] = fields[i];
     }

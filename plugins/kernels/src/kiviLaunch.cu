@@ -29,6 +29,13 @@ KIVI_EXTERN_LAUNCHERS(__nv_bfloat16, 128)
 namespace
 {
 
+//! Sequence with chunk length c (clamped at 0; the prefix sums and the sequence itself use the same rule, so the
+//! two kernels' tiles never overlap) runs in the prefill kernel.
+__device__ __forceinline__ bool isPrefillSequence(KiviLaunchPlan const& plan, int64_t c)
+{
+    return plan.numPrefillTiles > 0 && c * plan.groupHeads >= kPREFILL_TILE_ROWS;
+}
+
 //! One CTA per sequence: token/tile offsets (block-wide sums over the earlier sequences) and the device-side checks
 //! of DESIGN.md (lengths, capacity, slot, block ids). A failing sequence is marked invalid (skipped by every later
 //! kernel) and its KiviErrorBits are OR-ed into *errorFlag.
@@ -36,18 +43,28 @@ __global__ void __launch_bounds__(128) kiviPrepareKernel(KiviStepParams p, KiviL
 {
     __shared__ int64_t sTokens[128];
     __shared__ int64_t sTiles[128];
+    __shared__ int64_t sPrefillTiles[128];
     __shared__ int32_t sBadBlock;
     int32_t const b = blockIdx.x;
     int64_t tokens = 0;
     int64_t tiles = 0;
+    int64_t prefillTiles = 0;
     for (int32_t j = threadIdx.x; j < b; j += blockDim.x)
     {
         int64_t const c = max(p.chunkLen[j], 0);
         tokens += c;
-        tiles += (c * plan.groupHeads + plan.tileRows - 1) / plan.tileRows;
+        if (isPrefillSequence(plan, c))
+        {
+            prefillTiles += (c * plan.groupHeads + kPREFILL_TILE_ROWS - 1) / kPREFILL_TILE_ROWS;
+        }
+        else
+        {
+            tiles += (c * plan.groupHeads + plan.tileRows - 1) / plan.tileRows;
+        }
     }
     sTokens[threadIdx.x] = tokens;
     sTiles[threadIdx.x] = tiles;
+    sPrefillTiles[threadIdx.x] = prefillTiles;
     if (threadIdx.x == 0)
     {
         sBadBlock = 0;
@@ -59,11 +76,13 @@ __global__ void __launch_bounds__(128) kiviPrepareKernel(KiviStepParams p, KiviL
         {
             sTokens[threadIdx.x] += sTokens[threadIdx.x + o];
             sTiles[threadIdx.x] += sTiles[threadIdx.x + o];
+            sPrefillTiles[threadIdx.x] += sPrefillTiles[threadIdx.x + o];
         }
         __syncthreads();
     }
     int64_t const tokenOffset = sTokens[0];
     int64_t const tileOffset = sTiles[0];
+    int64_t const prefillTileOffset = sPrefillTiles[0];
     int64_t const s = p.pastLen[b];
     int64_t const c = p.chunkLen[b];
     int64_t const e = s + c;
@@ -105,15 +124,21 @@ __global__ void __launch_bounds__(128) kiviPrepareKernel(KiviStepParams p, KiviL
         int64_t const rows = c < 0 ? 0 : (c < avail ? c : (avail > 0 ? avail : 0));
         SeqInfo info;
         info.tokenOffset = static_cast<int32_t>(tokenOffset < p.numTokens ? tokenOffset : p.numTokens);
+        bool const prefill = isPrefillSequence(plan, c < 0 ? 0 : c);
         info.tileOffset = static_cast<int32_t>(tileOffset);
-        info.tileCount = static_cast<int32_t>((rows * plan.groupHeads + plan.tileRows - 1) / plan.tileRows);
+        info.tileCount
+            = prefill ? 0 : static_cast<int32_t>((rows * plan.groupHeads + plan.tileRows - 1) / plan.tileRows);
+        info.prefillTileOffset = static_cast<int32_t>(prefillTileOffset);
+        info.prefillTileCount = prefill
+            ? static_cast<int32_t>((rows * plan.groupHeads + kPREFILL_TILE_ROWS - 1) / kPREFILL_TILE_ROWS)
+            : 0;
         info.valid = err == 0 ? 1 : 0;
         // This sequence's length e spread over all numSplits splits (whole 32-key tiles, at least kMIN_SPLIT_LEN),
         // so a short sequence in an engine sized for long ones still uses the splits: numSplits * splitLen >= e.
         int64_t const perSplit = (e > 0 ? e : 0) + plan.numSplits - 1;
         int64_t const len = (perSplit / plan.numSplits + kKEY_TILE - 1) / kKEY_TILE * kKEY_TILE;
         info.splitLen = static_cast<int32_t>(len > kMIN_SPLIT_LEN ? len : kMIN_SPLIT_LEN);
-        info.spare[0] = info.spare[1] = info.spare[2] = 0;
+        info.spare = 0;
         seqInfo[b] = info;
         if (err != 0 && p.errorFlag != nullptr)
         {

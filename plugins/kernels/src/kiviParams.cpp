@@ -77,13 +77,16 @@ size_t partialBytesOf(KiviStepParams const& p, int64_t splits)
 
 //! The split count the plan aims for: floor(SMs x ctasPerSm / (tiles x KV heads)) -- one whole wave of resident
 //! CTAs -- clamped to [1, maxSplits] (maxSplits = ceil(maxSeqLen / kMIN_SPLIT_LEN)). numSplits <= this, with equality
-//! unless rounding splitLen up to whole key tiles leaves the last split empty. plan.numTiles, plan.maxSeqLen and
-//! plan.ctasPerSm must be set. Never increases with numTokens (tiles only grow).
+//! unless rounding splitLen up to whole key tiles leaves the last split empty. plan.numTiles, plan.numPrefillTiles,
+//! plan.maxSeqLen and plan.ctasPerSm must be set. Never increases with numTokens: the tiles of both kernels together
+//! never decrease (where the prefill kernel starts, the decode cap of 8 tiles per sequence clips only batch 1, by
+//! one tile, and the prefill bound adds two).
 int64_t targetSplits(KiviStepParams const& p, KiviLaunchPlan const& plan)
 {
     int64_t const sms = p.numSms > 0 ? p.numSms : kDEFAULT_NUM_SMS;
     int64_t const slots = sms * (plan.ctasPerSm > 0 ? plan.ctasPerSm : kMMA_CTAS_PER_SM);
-    int64_t const base = int64_t(plan.numTiles > 0 ? plan.numTiles : 1) * (p.numKvHeads > 0 ? p.numKvHeads : 1);
+    int64_t const tiles = int64_t(plan.numTiles) + plan.numPrefillTiles; // CTAs per split of both kernels
+    int64_t const base = (tiles > 0 ? tiles : 1) * (p.numKvHeads > 0 ? p.numKvHeads : 1);
     int64_t const splits = slots / base;
     int64_t const maxSplits = ceilDiv(plan.maxSeqLen > 0 ? plan.maxSeqLen : 1, kMIN_SPLIT_LEN);
     return splits < 1 ? 1 : (splits > maxSplits ? maxSplits : splits);
@@ -281,7 +284,19 @@ KiviLaunchPlan kiviLaunchPlan(KiviStepParams const& p)
     // <= T * ceil(grp / 8).
     int64_t const byRows = ceilDiv(t * grp, kTILE_ROWS) + p.batch;
     int64_t const byTokens = t * ceilDiv(grp, kTILE_ROWS);
-    plan.numTiles = static_cast<int32_t>(byRows < byTokens ? byRows : byTokens);
+    int64_t tiles = byRows < byTokens ? byRows : byTokens;
+    // Sequences with c_b * grp >= kPREFILL_TILE_ROWS run in the prefill kernel (possible only when the host bound
+    // maxChunkLen allows it). Each has ceil(c_b * grp / 64) <= c_b * grp / 64 + 1 tiles and there are at most
+    // min(B, floor(T * grp / 64)) of them; every other sequence has < 64 rows: at most 8 decode tiles.
+    int64_t const prefillRows = int64_t(plan.maxChunkLen) * grp >= kPREFILL_TILE_ROWS ? t * grp : 0;
+    int64_t const x = prefillRows / kPREFILL_TILE_ROWS;
+    plan.numPrefillTiles = static_cast<int32_t>(x + (p.batch < x ? p.batch : x));
+    if (plan.numPrefillTiles > 0)
+    {
+        int64_t const decodeCap = int64_t(p.batch) * ceilDiv(kPREFILL_TILE_ROWS - 1, kTILE_ROWS);
+        tiles = tiles < decodeCap ? tiles : decodeCap;
+    }
+    plan.numTiles = static_cast<int32_t>(tiles);
     // Split the keys so that tiles x KV heads x splits fills one wave of SMs x ctasPerSm resident CTAs (whole
     // waves: never more CTAs than slots unless tiles x KV heads alone exceed them); splits of >= kMIN_SPLIT_LEN
     // keys. Lengths are device values, so the split is sized for maxSeqLen (a hint when known).
