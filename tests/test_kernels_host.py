@@ -93,7 +93,7 @@ def test_valid_params_pass(host_lib):
     (dict(attentionImpl=4), r"attention_impl=4 is not supported; allowed: 0 \(auto\), 3 \(mma\)"),
     (dict(attentionImpl=1), r"attention_impl=1 \(legacy SIMT/WMMA kernel\) reads the FORMAT_VERSION 1 code layout"),
     (dict(attentionImpl=2), r"attention_impl=2 \(legacy"),
-    (dict(ctasPerSm=-1), r"ctas_per_sm=-1 is out of range; allowed: 0 \(= 3\) \.\. 64"),
+    (dict(ctasPerSm=-1), r"ctas_per_sm=-1 is out of range; allowed: 0 \(= 3 for these bits\) \.\. 64"),
     (dict(numSms=-1), r"num_sms=-1 must be >= 0"),
     (dict(sinkTokens=129), r"sink_tokens=129 is out of range; allowed: 0 \.\. 128"),
     (dict(sinkTokens=4, maxSeqLen=64 * 128 + 4 + 160), r"max_seq_len=8356 is past the capacity of 8355 tokens"),
@@ -162,6 +162,8 @@ def test_launch_plan_matches_the_model_and_bounds_the_work(host_lib):
         assert want.num_tiles >= sum(math.ceil(c * grp / want.tile_rows) for c in dec)
         assert want.num_prefill_tiles >= sum(math.ceil(c * grp / 64) for c in pf)
         assert (want.num_prefill_tiles > 0) == (tokens * grp >= 64)  # max_chunk_len = 0: any chunk up to T
+        # the default occupancy is the decode kernel's __launch_bounds__ one: 2 CTAs per SM with an 8-bit operand
+        assert want.ctas_per_sm == (cps or (2 if 8 in (cfg.k_bits, cfg.v_bits) else 3))
         slots = (sms or 132) * (cps or 4)
         base = (want.num_tiles + want.num_prefill_tiles) * hkv
         assert base * want.num_splits <= max(slots, base)  # never past one wave

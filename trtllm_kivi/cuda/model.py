@@ -65,6 +65,11 @@ class LaunchPlan:
         return self.num_prefill_tiles > 0 and max(chunk_len, 0) * self.group_heads >= PREFILL_TILE_ROWS
 
 
+def default_ctas_per_sm(k_bits: int, v_bits: int) -> int:
+    """defaultCtasPerSm: the decode kernel's __launch_bounds__ occupancy (2 with an 8-bit operand, else 3)."""
+    return 2 if 8 in (k_bits, v_bits) else MMA_CTAS_PER_SM
+
+
 def launch_plan(cfg: KiviConfig, num_heads: int, num_kv_heads: int, head_dim: int, batch: int, num_tokens: int,
                 max_blocks_per_seq: int, max_chunk_len: int = 0, max_seq_len: int = 0,
                 num_sms: int = 0, ctas_per_sm: int = 0) -> LaunchPlan:
@@ -85,7 +90,7 @@ def launch_plan(cfg: KiviConfig, num_heads: int, num_kv_heads: int, head_dim: in
     if num_prefill_tiles > 0:
         num_tiles = min(num_tiles, batch * _ceil_div(PREFILL_TILE_ROWS - 1, TILE_ROWS))
     sms = num_sms if num_sms > 0 else DEFAULT_NUM_SMS
-    cps = ctas_per_sm if ctas_per_sm > 0 else MMA_CTAS_PER_SM
+    cps = ctas_per_sm if ctas_per_sm > 0 else default_ctas_per_sm(cfg.k_bits, cfg.v_bits)
     slots = sms * cps
     base = max(num_tiles + num_prefill_tiles, 1) * num_kv_heads  # CTAs per split of both kernels
     max_splits = _ceil_div(max(msl, 1), MIN_SPLIT_LEN)

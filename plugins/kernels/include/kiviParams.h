@@ -86,7 +86,7 @@ struct KiviStepParams
     size_t workspaceSize;
     // appended after the first version of this struct (zero-initialized callers get the defaults)
     int32_t attentionImpl; //!< KiviAttentionImpl: 0 = auto (= 3, mma.sync), 1 / 2 legacy (refused), 3 = mma.sync
-    int32_t ctasPerSm;     //!< resident attention CTAs per SM the split is sized for (0: kMMA_CTAS_PER_SM); the
+    int32_t ctasPerSm;     //!< resident attention CTAs per SM the split is sized for (0: defaultCtasPerSm); the
                            //!< launcher's kiviAttentionCtasPerSm() gives the real occupancy on the current device
     // FORMAT_VERSION 2 (format.py); rotation is applied outside the op, so only the sinks reach the kernels
     int32_t sinkTokens; //!< S (0 .. kMAX_SINK_TOKENS): tokens [0, S) kept in full precision, window rows [0, S)
@@ -135,7 +135,14 @@ constexpr int32_t kPREFILL_TILE_ROWS = 64;
 constexpr int32_t kMIN_SPLIT_LEN = 256;
 constexpr int32_t kDEFAULT_NUM_SMS = 132;
 constexpr int32_t kMAX_SINK_TOKENS = 128; //!< format.py MAX_SINK_TOKENS
-constexpr int32_t kMMA_CTAS_PER_SM = 3; //!< default occupancy (__launch_bounds__ of kiviDecodeMmaKernel): tiles x KV heads x splits <= one wave of SMs x this
+constexpr int32_t kMMA_CTAS_PER_SM = 3; //!< default occupancy of the 2/4-bit decode kernels (__launch_bounds__(128, 3))
+//! The occupancy the split is sized for when the caller passes none: what __launch_bounds__ of kiviDecodeMmaKernel
+//! guarantees (mmaMinCtas: 2 with an 8-bit operand, else 3), a pure function of the host fields, so TensorRT's
+//! build-time workspace and every run-time plan agree on every device. tiles x KV heads x splits <= SMs x this.
+constexpr int32_t defaultCtasPerSm(int32_t kBits, int32_t vBits)
+{
+    return kBits == 8 || vBits == 8 ? 2 : kMMA_CTAS_PER_SM;
+}
 constexpr int32_t kSEQ_INFO_INTS = 8; //!< per sequence: token/tile offsets, tile count, valid, split length, prefill tile
                                       //!< offset and count, 1 spare
 

@@ -84,7 +84,7 @@ size_t partialBytesOf(KiviStepParams const& p, int64_t splits)
 int64_t targetSplits(KiviStepParams const& p, KiviLaunchPlan const& plan)
 {
     int64_t const sms = p.numSms > 0 ? p.numSms : kDEFAULT_NUM_SMS;
-    int64_t const slots = sms * (plan.ctasPerSm > 0 ? plan.ctasPerSm : kMMA_CTAS_PER_SM);
+    int64_t const slots = sms * (plan.ctasPerSm > 0 ? plan.ctasPerSm : defaultCtasPerSm(p.kBits, p.vBits));
     int64_t const tiles = int64_t(plan.numTiles) + plan.numPrefillTiles; // CTAs per split of both kernels
     int64_t const base = (tiles > 0 ? tiles : 1) * (p.numKvHeads > 0 ? p.numKvHeads : 1);
     int64_t const splits = slots / base;
@@ -204,8 +204,8 @@ int32_t kiviValidate(KiviStepParams const& p, int32_t phase, char* msg, size_t m
     }
     if (p.ctasPerSm < 0 || p.ctasPerSm > 64)
     {
-        return fail(msg, msgLen, "ctas_per_sm=%d is out of range; allowed: 0 (= %d) .. 64", p.ctasPerSm,
-            kMMA_CTAS_PER_SM);
+        return fail(msg, msgLen, "ctas_per_sm=%d is out of range; allowed: 0 (= %d for these bits) .. 64", p.ctasPerSm,
+            defaultCtasPerSm(p.kBits, p.vBits));
     }
     if (p.numSms < 0)
     {
@@ -300,7 +300,7 @@ KiviLaunchPlan kiviLaunchPlan(KiviStepParams const& p)
     // Split the keys so that tiles x KV heads x splits fills one wave of SMs x ctasPerSm resident CTAs (whole
     // waves: never more CTAs than slots unless tiles x KV heads alone exceed them); splits of >= kMIN_SPLIT_LEN
     // keys. Lengths are device values, so the split is sized for maxSeqLen (a hint when known).
-    plan.ctasPerSm = p.ctasPerSm > 0 ? p.ctasPerSm : kMMA_CTAS_PER_SM;
+    plan.ctasPerSm = p.ctasPerSm > 0 ? p.ctasPerSm : defaultCtasPerSm(p.kBits, p.vBits);
     int64_t const splits = targetSplits(p, plan);
     int64_t const msl = plan.maxSeqLen > 0 ? plan.maxSeqLen : 1;
     int64_t const splitLen = ceilDiv(ceilDiv(msl, splits), kKEY_TILE) * kKEY_TILE;
