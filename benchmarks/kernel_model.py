@@ -659,6 +659,15 @@ APPEND_KROW = (128 + 8) * 2  # K tile row bytes at D = 128
 APPEND_VROW = (GROUP + 8) * 2  # V^T tile row bytes at G = 32
 
 APPEND_SMEM = (
+    SmemAccess(APPEND, "*reinterpret_cast<uint4*>(dst + k * kPASS_ROWS * Sm::kKROW)\n                = *reinterpret_cast<uint4 const*>(src + k * kPASS_ROWS * int32_t(rowStride)); // K staging (chunk)", "STS",
+               _lanes(_append_pair_lanes(APPEND_KROW, 2)), "K staging (chunk CTAs): 16 vectors per row, two rows per warp"),
+    SmemAccess(APPEND, "    *scale = s;", "STS", _lanes(lambda lane: 4 * (2 * (lane % 16) * (128 // GROUP) + lane // 16)),
+               "scale / zero / 1/s stores of storePairScales (K: 8-byte stride; charged at V's pattern, token pairs x "
+               "groups: 32-byte stride, the worse of the two call sites)"),
+    SmemAccess(APPEND, "    *zero = storeScale(", "STS", _lanes(lambda lane: 4 * (2 * (lane % 16) * (128 // GROUP) + lane // 16)),
+               "as *scale"),
+    SmemAccess(APPEND, "    *inv = codeReciprocal(s);", "STS",
+               _lanes(lambda lane: 4 * (2 * (lane % 16) * (128 // GROUP) + lane // 16)), "as *scale"),
     SmemAccess(APPEND, "*reinterpret_cast<uint4*>(sm.tile + i * Sm::kKROW + 8 * c8) = *reinterpret_cast<uint4 const*>(row + 8 * c8);",
                "STS", _lanes(_append_pair_lanes(APPEND_KROW, 2)), "K staging: 16 vectors per row, two rows per warp"),
     SmemAccess(APPEND, "uint32_t const x = *reinterpret_cast<uint32_t const*>(sm.tile + i * Sm::kKROW + 2 * c2);", "LDS",
@@ -694,6 +703,7 @@ APPEND_RULES = (
     PathRule(APPEND, "flushGroup<T, kD, kG, false>(p, info, b, h, s, q0 + int64_t(kG) * k, sm); // a window group", 0,
              "chunk CTAs (y >= 1); the window CTA's groups and rows are charged at their bytes only"),
     PathRule(APPEND, "writeWindowRows<T, kD>(p, info, b, h);", 0, "chunk CTAs"),
+    PathRule(APPEND, "for (int32_t k = 0; k < kWin; ++k)", 0, "chunk CTAs (the window CTA's group loop)"),
     PathRule(APPEND, "writeKeyCodes<T, kD, kG, 4>(sm, codes, base);", 0, "2-bit keys"),
     PathRule(APPEND, "writeKeyCodes<T, kD, kG, 8>(sm, codes, base);", 0, "2-bit keys"),
     PathRule(APPEND, "writeValueCodes<T, kD, kG, 4>(sm, codes, base);", 0, "2-bit values"),
