@@ -105,16 +105,25 @@ def find_library() -> Path | None:
 
 
 _LOADED: dict[Path, KiviCpuLibrary] = {}
+# The default library per value of $TRTLLM_KIVI_CPU_LIB: every op call asks for it, and finding it anew costs
+# stat + realpath system calls per layer per step.
+_DEFAULT: dict[str | None, KiviCpuLibrary] = {}
 
 
 def load_library(path: str | os.PathLike | None = None) -> KiviCpuLibrary:
     """Load (once) the CPU library; the error names every path tried and how to build it."""
     if path is None:
+        env = os.environ.get(LIB_ENV)
+        if env in _DEFAULT:
+            return _DEFAULT[env]
         path = find_library()
         if path is None:
             tried = ", ".join(str(p) for p in library_candidates())
             raise FileNotFoundError(f"native CPU KIVI library not found (tried {tried}); build it with "
                                     f"build_scripts/build_cpu_kernels.sh or set {LIB_ENV}")
+        lib = load_library(path)
+        _DEFAULT[env] = lib
+        return lib
     path = Path(path).resolve()
     if path not in _LOADED:
         _LOADED[path] = KiviCpuLibrary(path)
