@@ -7,7 +7,6 @@
 
 #include "kiviAppend.cuh"
 #include "kiviAttention.cuh"
-#include "kiviAttentionTc.cuh"
 #include "kiviDecodeMma.cuh"
 #include "kiviPrefillMma.cuh"
 
@@ -112,24 +111,6 @@ cudaError_t launchKiviAttention(KiviStepParams const& p, KiviLaunchPlan const& p
     return cudaGetLastError();
 }
 
-//! The legacy SIMT / WMMA kernels (FORMAT_VERSION 1 layout): compiled as performance-model subjects only;
-//! kiviValidate refuses attention_impl 1 and 2, so nothing launches this.
-template <typename T, int kD>
-cudaError_t launchLegacyAttention(KiviStepParams const& p, KiviLaunchPlan const& plan, SeqInfo const* seqInfo,
-    float* partialAcc, float* partialMl, cudaStream_t stream)
-{
-    dim3 const grid(plan.numTiles, p.numKvHeads, plan.numSplits);
-    if (p.attentionImpl == kKIVI_ATTN_TENSOR_CORE)
-    {
-        kiviAttentionTcKernel<T, kD><<<grid, kATTN_THREADS, 0, stream>>>(p, plan, seqInfo, partialAcc, partialMl);
-    }
-    else
-    {
-        kiviAttentionKernel<T, kD><<<grid, kATTN_THREADS, 0, stream>>>(p, plan, seqInfo, partialAcc, partialMl);
-    }
-    return cudaGetLastError();
-}
-
 //! Append (one launch): CTA y = 0 of each (sequence, KV head) flushes the groups that read window rows, then writes
 //! the window; CTAs y >= 1 flush the groups inside the chunk (at most floor(maxChunkLen / G) per sequence).
 template <typename T, int kD>
@@ -154,8 +135,6 @@ cudaError_t launchKiviAppend(KiviStepParams const& p, KiviLaunchPlan const& plan
 
 #define KIVI_INSTANTIATE_LAUNCHERS(T, D)                                                                               \
     template cudaError_t launchKiviAttention<T, D>(                                                                    \
-        KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*, float*, float*, cudaStream_t);                   \
-    template cudaError_t launchLegacyAttention<T, D>(                                                                  \
         KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*, float*, float*, cudaStream_t);                   \
     template int32_t mmaCtasPerSm<T, D>(KiviStepParams const&);                                                        \
     template cudaError_t launchKiviAppend<T, D>(KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*,          \

@@ -96,7 +96,8 @@ struct KiviStepParams
 enum KiviAttentionImpl : int32_t
 {
     kKIVI_ATTN_AUTO = 0,        //!< the default: kKIVI_ATTN_MMA
-    kKIVI_ATTN_SIMT = 1,        //!< legacy: reads the FORMAT_VERSION 1 layout; compiled, refused by kiviValidate
+    kKIVI_ATTN_SIMT = 1,        //!< legacy: reads the FORMAT_VERSION 1 layout; refused by kiviValidate (the static
+                                //!< model compiles it as a calibration subject; the library does not)
     kKIVI_ATTN_TENSOR_CORE = 2, //!< legacy WMMA kernel: same
     kKIVI_ATTN_MMA = 3,         //!< mma.sync m16n8k16 over FRAGMENT-order codes (kiviDecodeMma.cuh), sm_80+
 };

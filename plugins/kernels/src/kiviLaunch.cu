@@ -17,8 +17,6 @@ namespace kernels
         KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*, float*, float*, cudaStream_t);                   \
     extern template cudaError_t launchKiviAppend<T, D>(                                                                \
         KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*, cudaStream_t);                                   \
-    extern template cudaError_t launchLegacyAttention<T, D>(                                                           \
-        KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*, float*, float*, cudaStream_t);                   \
     extern template int32_t mmaCtasPerSm<T, D>(KiviStepParams const&);
 KIVI_EXTERN_LAUNCHERS(half, 64)
 KIVI_EXTERN_LAUNCHERS(half, 128)
