@@ -766,16 +766,7 @@ def predict_append(result: KernelResult, gpu: Gpu, shape: ModelShape, batch: int
     issue_rate = gpu.issue_per_clk_per_sm * gpu.clock_ghz * 1e3
     smem_rate = gpu.smem_wavefronts_per_clk_per_sm * gpu.clock_ghz * 1e3
     bw = gpu.copy_gbps * 1e3
-    waves = []
-    for w0 in range(0, len(ctas), slots):
-        wave = ctas[w0:w0 + slots]
-        per_sm = ceil_div(len(wave), gpu.sms)
-        t = {"issue": per_sm * max(c[0] for c in wave) / issue_rate,
-             "shared": per_sm * max(c[1] for c in wave) / smem_rate,
-             "memory": sum(c[2] for c in wave) / bw}
-        bound = max(t, key=lambda k: t[k])
-        waves.append({"ctas": len(wave), "ctas_per_sm": per_sm, "bound": bound,
-                      **{f"{k}_us": _round(v, 4) for k, v in t.items()}, "us": _round(t[bound], 4)})
+    waves = wave_times(ctas, slots, gpu)
     kernel_us = sum(w["us"] for w in waves) + window_bytes / bw
     total_bytes = sum(c[2] for c in ctas) + window_bytes
     copy_us = total_bytes / bw
@@ -1496,6 +1487,31 @@ def _round(x: float, n: int = 3) -> float:
     return float(f"{x:.{n}g}") if abs(x) >= 1e-12 else 0.0
 
 
+def wave_times(ctas: Sequence[tuple[float, ...]], slots: int, gpu: Gpu, mma_arch: str | None = None
+               ) -> list[dict[str, Any]]:
+    """CTAs (warp-instructions, wavefronts, device bytes[, MMAs]) in launch order, in waves of `slots`: each wave takes
+    max(issue, shared, memory) -- the busiest SM runs ceil(CTAs / SMs) x the largest CTA; memory is the wave's bytes
+    at copy bandwidth. mma_arch: also report the tensor pipe (4 sub-partitions per SM at MMA_CYCLES per mma.sync)."""
+    issue_rate = gpu.issue_per_clk_per_sm * gpu.clock_ghz * 1e3  # warp-instructions per us per SM
+    smem_rate = gpu.smem_wavefronts_per_clk_per_sm * gpu.clock_ghz * 1e3
+    bw = gpu.copy_gbps * 1e3  # bytes per us
+    waves: list[dict[str, Any]] = []
+    for w0 in range(0, len(ctas), slots):
+        wave = ctas[w0:w0 + slots]
+        per_sm = ceil_div(len(wave), gpu.sms)
+        t = {"issue": per_sm * max(c[0] for c in wave) / issue_rate,
+             "shared": per_sm * max(c[1] for c in wave) / smem_rate,
+             "memory": sum(c[2] for c in wave) / bw}
+        bound = max(t, key=lambda k: t[k])
+        w: dict[str, Any] = {"ctas": len(wave), "ctas_per_sm": per_sm, "bound": bound,
+                             **{f"{k}_us": _round(v, 4) for k, v in t.items()}, "us": _round(t[bound], 4)}
+        if mma_arch is not None:
+            w["tensor_pipe_us"] = _round(per_sm * max(c[3] for c in wave) * MMA_CYCLES[mma_arch]
+                                         / (4 * gpu.clock_ghz * 1e3), 4)
+        waves.append(w)
+    return waves
+
+
 def predict(result: KernelResult, gpu: Gpu, shape: ModelShape, batch: int, context: int, default: bool) -> dict:
     """One decode step of one layer: prepare + attention (+ combine) kernels. Time = sum over waves of max(issue,
     shared-memory, memory) + combine bytes at copy bandwidth + launches x launch_us. FP16: the K/V bytes at copy
@@ -1529,22 +1545,8 @@ def predict(result: KernelResult, gpu: Gpu, shape: ModelShape, batch: int, conte
         cost = (rest.instructions + tiles * tile.instructions, rest.wavefronts + tiles * tile.wavefronts, nbytes,
                 rest.by_class.get("MMA", 0.0) + tiles * tile.by_class.get("MMA", 0.0))
         ctas.extend([cost] * (batch * shape.num_kv_heads))
-    waves: list[dict[str, Any]] = []
-    issue_rate = gpu.issue_per_clk_per_sm * gpu.clock_ghz * 1e3  # warp-instructions per us per SM
-    smem_rate = gpu.smem_wavefronts_per_clk_per_sm * gpu.clock_ghz * 1e3
     bw = gpu.copy_gbps * 1e3  # bytes per us
-    for w0 in range(0, len(ctas), slots):
-        wave = ctas[w0:w0 + slots]
-        per_sm = ceil_div(len(wave), gpu.sms)
-        t = {"issue": per_sm * max(c[0] for c in wave) / issue_rate,
-             "shared": per_sm * max(c[1] for c in wave) / smem_rate,
-             "memory": sum(c[2] for c in wave) / bw}
-        bound = max(t, key=lambda k: t[k])
-        # detail: the tensor pipe (4 sub-partitions per SM) at MMA_CYCLES per mma.sync
-        tensor_us = per_sm * max(c[3] for c in wave) * MMA_CYCLES[result.arch] / (4 * gpu.clock_ghz * 1e3)
-        waves.append({"ctas": len(wave), "ctas_per_sm": per_sm, "bound": bound,
-                      **{f"{k}_us": _round(v, 4) for k, v in t.items()}, "us": _round(t[bound], 4),
-                      "tensor_pipe_us": _round(tensor_us, 4)})
+    waves = wave_times(ctas, slots, gpu, result.arch)
     attn_us = sum(w["us"] for w in waves)
     launches = 2 + (1 if plan.num_splits > 1 else 0)
     combine_bytes = batch * shape.num_heads * plan.num_splits * (d + 2) * 4 + batch * shape.num_heads * d * 2 \

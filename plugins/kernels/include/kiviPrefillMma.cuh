@@ -50,6 +50,51 @@ struct __align__(16) PrefillSmem
     float vZero[kPF_KEYS][kD / 32];
 };
 
+//! Dequantize one 32-key FRAGMENT chunk (words [tile tau][lane][j], nw per lane) into the tile. Word j of a lane holds,
+//! at bit position pos, the pair of A register pi = j (16 / b) + pos: 16-block pi / 4, register pi % 4
+//! (mma_model.register_of), at A row g + 8 (reg & 1), columns 2t + 8 (reg >> 1) + {0, 1} (mma_model.a_coord).
+//! K: rows keys, columns channels (one store into K); V: rows channels, columns keys (one store into V^T).
+template <typename T, int kD, bool kVALUES>
+__device__ __forceinline__ void dequantizeChunkPf(
+    uint32_t const* words, int32_t bits, int32_t gv, PrefillSmem<T, kD>& sm)
+{
+    int32_t const per = 16 / bits;
+    int32_t const nw = kD * bits / 64;
+    uint32_t const mask = (1U << bits) - 1U;
+    for (int32_t u = threadIdx.x; u < 64 * nw; u += kPF_THREADS)
+    {
+        int32_t const lane = u & 31;
+        int32_t const tau = (u >> 5) & 1;
+        int32_t const j = u >> 6;
+        uint32_t const w = __ldg(words + (tau * 32 + lane) * nw + j);
+        for (int32_t pos = 0; pos < per; ++pos)
+        {
+            int32_t const pi = j * per + pos;
+            int32_t const reg = pi & 3;
+            int32_t const row = (lane >> 2) + 8 * (reg & 1);     // A row
+            int32_t const col = 2 * (lane & 3) + 8 * (reg >> 1); // A column (pair col, col + 1)
+            float const c0 = float((w >> (pos * bits)) & mask);
+            float const c1 = float((w >> (16 + pos * bits)) & mask);
+            if constexpr (kVALUES)
+            {
+                int32_t const ch = 16 * (pi >> 2) + row;
+                int32_t const key = 16 * tau + col;
+                int32_t const grpIdx = ch / gv;
+                *reinterpret_cast<uint32_t*>(&sm.vt[ch][key])
+                    = MmaTraits<T>::pack(dequantize(c0, sm.vScale[key][grpIdx], sm.vZero[key][grpIdx]),
+                        dequantize(c1, sm.vScale[key + 1][grpIdx], sm.vZero[key + 1][grpIdx]));
+            }
+            else
+            {
+                int32_t const key = 16 * tau + row;
+                int32_t const ch = 16 * (pi >> 2) + col;
+                *reinterpret_cast<uint32_t*>(&sm.k[key][ch]) = MmaTraits<T>::pack(
+                    dequantize(c0, sm.kScale[ch], sm.kZero[ch]), dequantize(c1, sm.kScale[ch + 1], sm.kZero[ch + 1]));
+            }
+        }
+    }
+}
+
 //! Fill the tile from the quantized store: keys [kt, kt + 32) are store rows [kt, kt + 32) (block table entry
 //! kt / BS, rows kt % BS ..). Word u of a FRAGMENT chunk ([tile tau][lane][j], nw words per lane) holds, at bit
 //! position pos, the pair of A register pi = j (16 / b) + pos of that lane: 16-block pi / 4, register pi % 4
@@ -78,60 +123,11 @@ __device__ __forceinline__ void loadQuantizedTilePf(
         sm.vZero[u / vGroups][u % vGroups] = loadScale(p.vZero, idx, p.scaleDtype);
     }
     __syncthreads();
-    // K: a warp takes one (tau, j) for its 32 lanes, so a store instruction covers keys g (+8), words t: no conflict
-    {
-        int32_t const bits = p.kBits;
-        int32_t const per = 16 / bits;
-        int32_t const nw = kD * bits / 64;
-        uint32_t const mask = (1U << bits) - 1U;
-        uint32_t const* words = static_cast<uint32_t const*>(p.kCodes) + (headRows + r) * (kD * bits / 32);
-        for (int32_t u = threadIdx.x; u < 64 * nw; u += kPF_THREADS)
-        {
-            int32_t const lane = u & 31;
-            int32_t const tau = (u >> 5) & 1;
-            int32_t const j = u >> 6;
-            uint32_t const w = __ldg(words + (tau * 32 + lane) * nw + j);
-            for (int32_t pos = 0; pos < per; ++pos)
-            {
-                int32_t const pi = j * per + pos;
-                int32_t const reg = pi & 3;
-                int32_t const key = 16 * tau + (lane >> 2) + 8 * (reg & 1);
-                int32_t const ch = 16 * (pi >> 2) + 2 * (lane & 3) + 8 * (reg >> 1);
-                float const c0 = float((w >> (pos * bits)) & mask);
-                float const c1 = float((w >> (16 + pos * bits)) & mask);
-                *reinterpret_cast<uint32_t*>(&sm.k[key][ch]) = MmaTraits<T>::pack(
-                    dequantize(c0, sm.kScale[ch], sm.kZero[ch]), dequantize(c1, sm.kScale[ch + 1], sm.kZero[ch + 1]));
-            }
-        }
-    }
-    // V: rows are channels, columns keys: each pair is (key, key + 1) of one channel, one store into V^T
-    {
-        int32_t const bits = p.vBits;
-        int32_t const per = 16 / bits;
-        int32_t const nw = kD * bits / 64;
-        uint32_t const mask = (1U << bits) - 1U;
-        uint32_t const* words = static_cast<uint32_t const*>(p.vCodes) + (headRows + r) * (kD * bits / 32);
-        for (int32_t u = threadIdx.x; u < 64 * nw; u += kPF_THREADS)
-        {
-            int32_t const lane = u & 31;
-            int32_t const tau = (u >> 5) & 1;
-            int32_t const j = u >> 6;
-            uint32_t const w = __ldg(words + (tau * 32 + lane) * nw + j);
-            for (int32_t pos = 0; pos < per; ++pos)
-            {
-                int32_t const pi = j * per + pos;
-                int32_t const reg = pi & 3;
-                int32_t const ch = 16 * (pi >> 2) + (lane >> 2) + 8 * (reg & 1);
-                int32_t const key = 16 * tau + 2 * (lane & 3) + 8 * (reg >> 1);
-                int32_t const grpIdx = ch / gv;
-                float const c0 = float((w >> (pos * bits)) & mask);
-                float const c1 = float((w >> (16 + pos * bits)) & mask);
-                *reinterpret_cast<uint32_t*>(&sm.vt[ch][key])
-                    = MmaTraits<T>::pack(dequantize(c0, sm.vScale[key][grpIdx], sm.vZero[key][grpIdx]),
-                        dequantize(c1, sm.vScale[key + 1][grpIdx], sm.vZero[key + 1][grpIdx]));
-            }
-        }
-    }
+    // a warp takes one (tau, j) for its 32 lanes, so a store instruction covers keys g (+8), words t: no conflict
+    uint32_t const* kWords = static_cast<uint32_t const*>(p.kCodes) + (headRows + r) * (kD * p.kBits / 32);
+    uint32_t const* vWords = static_cast<uint32_t const*>(p.vCodes) + (headRows + r) * (kD * p.vBits / 32);
+    dequantizeChunkPf<T, kD, false>(kWords, p.kBits, gv, sm);
+    dequantizeChunkPf<T, kD, true>(vWords, p.vBits, gv, sm);
 }
 
 //! Fill the tile from full-precision rows (sinks, ring, chunk: fullPrecisionRow; zeros past k1, masked anyway).
