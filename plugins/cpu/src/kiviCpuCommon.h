@@ -86,8 +86,8 @@ struct WorkItem
 static inline int64_t scratchFloats(int32_t rows, int32_t D)
 {
     // + the transposed fragment tiles of one split's quantized span (at most 8-bit codes: 4 D words per tile)
-    return int64_t(rows) * (6 * D + 5 * kSCORE_STRIDE + 64) + 8 * kSCORE_STRIDE + 8 * D + 256
-        + int64_t(kSPLIT_LEN / 16) * 4 * D + 64 + 8 * kSCORE_STRIDE + 64;
+    return int64_t(rows) * (6 * D + 5 * kSCORE_STRIDE + 64) + 4 * kSCORE_STRIDE + 8 * D + 256
+        + int64_t(kSPLIT_LEN / 16) * 4 * D + 64;
 }
 
 // ------------------------------------------------------------------------------------ exact scalar conversions

@@ -103,11 +103,13 @@ struct S
     {
         transposeWords8x8(src, srcStride, dst);
     }
-    // Lane i = p[i * stride].
-    static F gather(const float* p, int stride)
+    // Lane i = p[i / ng] (ng = 1, 2, 4): one permute instead of a gather (vgatherdps is slow on Zen).
+    static F spread(const float* p, int ng)
     {
-        return _mm256_i32gather_ps(p, _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-            _mm256_set1_epi32(stride)), 4);
+        if (ng == 1)
+            return _mm256_loadu_ps(p);
+        const __m256i idx = ng == 2 ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3) : _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+        return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(p)), idx);
     }
     // FRAGMENT order (kiviCpuKernel.h): the 8 words of lanes gq = 0..7 of one (tq, j), from a transposed tile.
     using WS = __m256i;

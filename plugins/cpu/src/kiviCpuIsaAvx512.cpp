@@ -97,10 +97,14 @@ struct S
         transposeWords8x8(src, srcStride, dst);
     }
     // Lane i = p[i * stride].
-    static F gather(const float* p, int stride)
+    // Lane i = p[i / ng] (ng = 1, 2, 4).
+    static F spread(const float* p, int ng)
     {
-        return _mm512_i32gather_ps(_mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
-            13, 14, 15), _mm512_set1_epi32(stride)), p, 4);
+        if (ng == 1)
+            return _mm512_loadu_ps(p);
+        const __m512i idx = ng == 2 ? _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)
+                                    : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_loadu_ps(p)));
     }
     // FRAGMENT order (kiviCpuKernel.h): the 8 words of lanes gq = 0..7 of one (tq, j), from a transposed tile, in both
     // 256-bit halves.

@@ -109,11 +109,12 @@ struct S
                 dst[c * 8 + r] = src[r * srcStride + c];
     }
     // Lane i = p[i * stride].
-    static F gather(const float* p, int stride)
+    // Lane i = p[i / ng] (ng = 1, 2, 4).
+    static F spread(const float* p, int ng)
     {
         F r;
         for (int i = 0; i < W; ++i)
-            r.v[i] = p[i * stride];
+            r.v[i] = p[i / ng];
         return r;
     }
     // FRAGMENT order (kiviCpuKernel.h): the 8 words of lanes gq = 0..7 of one (tq, j), from a transposed tile.

@@ -77,15 +77,13 @@ struct Attn
         float* scores; // [rows, kSCORE_STRIDE] scores, then p
         float* acc;    // [rows, D]
         float* zacc;   // [rows, 8] per value group: sum_t p_t * zero
-        float* coef;   // [4, rows, kSCORE_STRIDE] p_t * value scale of token t, per value group
+        float* coef;   // [rows, ng kSCORE_STRIDE] p_t * value scale, entry (t - t0) ng + gi (token-major, as stored)
         float* state;  // [rows, D + 2] running (m, l, acc) of a sequential item
         float* part;   // [rows, D + 2] one split's partial
-        float* kdeq;   // [4, kSCORE_STRIDE] a dequantized per-token key row / value scales (group-major)
-        float* vsz;    // [4, kSCORE_STRIDE] value zeros (group-major)
+        float* kdeq;   // [4, kSCORE_STRIDE] a dequantized per-token key row
         float* ksc;    // [D] per-channel key scale of the current group
         float* kzr;    // [D]
         int32_t* tw;   // [kSPLIT_LEN / 16 tiles][4 D] transposed fragment tiles (transposeTile)
-        float* tmp;    // [2, 4 kSCORE_STRIDE] value scales / zeros of a span, token-major
     };
 
     static Scratch carve(float* base, int rows)
@@ -101,11 +99,9 @@ struct Attn
         s.state = s.coef + int64_t(4) * rows * kSCORE_STRIDE;
         s.part = s.state + rows * (D + 2);
         s.kdeq = s.part + rows * (D + 2);
-        s.vsz = s.kdeq + 4 * kSCORE_STRIDE;
-        s.ksc = s.vsz + 4 * kSCORE_STRIDE;
+        s.ksc = s.kdeq + 4 * kSCORE_STRIDE;
         s.kzr = s.ksc + D;
         s.tw = reinterpret_cast<int32_t*>(s.kzr + D + 16);
-        s.tmp = reinterpret_cast<float*>(s.tw + int64_t(kSPLIT_LEN / 16) * 4 * D + 16);
         return s;
     }
 
@@ -373,13 +369,15 @@ struct Attn
     static constexpr int VNB = 2;      // 16-channel blocks per register block
     static constexpr int QRB = 3;      // rows per register block
 
-    // acc[NR rows][channels 32 k .. 32 k + 32) += coef[row][t] * code(t) over quantized values [t0, t1) (positions;
+    // acc[NR rows][channels 32 k .. 32 k + 32) += coef[row][(t - t0) ng] * code(t) over quantized values [t0, t1) (positions;
     // whole tiles). In FRAGMENT order a value token's channel pairs there are pi = 8 k + 2 e + par, e in [0, 4):
     // channels 16 (pi >> 2) + 8 par + gq of token 8 (e & 1) + 2 tq + h, in word j = pi / (16 / bits) of lane
     // (gq, tq) at position pi % (16 / bits) (independent of k since 16 / bits divides 8).
-    // tw: the transposed tiles (transposeTile) of [t0, t1), consecutive.
+    // tw: the transposed tiles (transposeTile) of [t0, t1), consecutive; coef: the rows' entries of this block's value
+    // group (row stride cs, token stride ng).
     template <int BITS, int NR>
-    static void valueBlock(const int32_t* tw, int t0, int t1, int k, const float* coef, float* acc)
+    static void valueBlock(const int32_t* tw, int t0, int t1, int k, const float* coef, int ng, int64_t cs,
+        float* acc)
     {
         constexpr int NW = D * BITS / 64, P = 16 / BITS, NA = VNB * VPB;
         constexpr int TILE_WORDS = 16 * D * BITS / 32;
@@ -390,7 +388,7 @@ struct Attn
         for (int t = t0; t < t1; t += 16, tw += TILE_WORDS)
             for (int tq = 0; tq < 4; ++tq)
             {
-                const float* cft = coef + t + 2 * tq;
+                const float* cft = coef + (t - t0 + 2 * tq) * ng;
 #pragma GCC unroll 4
                 for (int e = 0; e < 2 * VNB; ++e)
                 {
@@ -404,7 +402,7 @@ struct Attn
                         typename S::F cf[NR];
 #pragma GCC unroll 4
                         for (int i = 0; i < NR; ++i)
-                            cf[i] = S::set1(cft[int64_t(i) * scoreStride() + tok]);
+                            cf[i] = S::set1(cft[i * cs + tok * ng]);
 #pragma GCC unroll 2
                         for (int v = 0; v < VPB; ++v)
                         {
@@ -426,60 +424,40 @@ struct Attn
     template <int BITS>
     static void valuesQuantized(const Ctx& c, const SeqPlan& sp, int g, int rows, int t0, int t1, int a, Scratch& s)
     {
+        // coef[row][e] = p_t * scale[e] and sum_t p_t * zero[e] over the store's token-major entries e = (t - t0) ng + gi:
+        // W consecutive entries take their p from W / ng tokens (S::spread), so scales need no transpose
         const int ng = D / c.Gv;
-        const int span = t1 - t0, spanPad = (span + W - 1) / W * W;
-        float* vsf = s.kdeq; // reuse: [ng][kSPLIT_LEN + 16] scales, then zeros, transposed (group-major)
-        float* vzf = s.vsz;
-        for (int t = t0; t < t1;)
+        const int64_t cs = int64_t(ng) * scoreStride();
+        const void* const vScale = c.vScale; // locals: the stores below may alias c for the compiler
+        const void* const vZero = c.vZero;
+        const int32_t sDtype = c.scaleDtype;
+        for (int row = 0; row < rows; ++row)
         {
-            const int jq = t - sp.sink; // store index
-            const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + jq / c.BS];
-            const int tEnd = imin(t1, t + (c.BS - jq % c.BS));
-            const int64_t idx = ((int64_t(blk) * c.Hkv + g) * c.BS + jq % c.BS) * ng;
-            if (tEnd < t1) // prefetch (into L2) the next block's scales and zeros
+            const float* p = s.scores + int64_t(row) * scoreStride() + (t0 - a);
+            float* cf = s.coef + row * cs;
+            typename S::F z = S::zero();
+            for (int t = t0; t < t1;)
             {
-                const int32_t nb = c.blockTable[int64_t(sp.seq) * c.maxBlocks + (tEnd - sp.sink) / c.BS];
-                const int sb = dtypeBytes(c.scaleDtype);
-                const int64_t nIdx = (int64_t(nb) * c.Hkv + g) * c.BS * ng * sb;
-                for (int i = 0; i < imin(c.BS, t1 - tEnd) * ng * sb; i += 64)
+                const int jq = t - sp.sink; // store index
+                const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + jq / c.BS];
+                const int tEnd = imin(t1, t + (c.BS - jq % c.BS));
+                const int64_t idx = ((int64_t(blk) * c.Hkv + g) * c.BS + jq % c.BS) * ng;
+                const int n = (tEnd - t) * ng; // a multiple of 16 ng entries (whole tiles)
+                const float* pt = p + (t - t0);
+                float* ct = cf + (t - t0) * ng;
+                for (int i = 0; i < n; i += W, pt += W / ng)
                 {
-                    __builtin_prefetch(static_cast<const char*>(c.vScale) + nIdx + i, 0, 2);
-                    __builtin_prefetch(static_cast<const char*>(c.vZero) + nIdx + i, 0, 2);
+                    const typename S::F pv = S::spread(pt, ng);
+                    S::store(ct + i, S::mul(pv, S::loadAct(vScale, idx + i, sDtype)));
+                    z = S::fma(pv, S::loadAct(vZero, idx + i, sDtype), z);
                 }
+                t = tEnd;
             }
-            // token-major [t][gi] -> fp32 with vector conversions (a multiple of 16 tokens), then group-major
-            const int n = (tEnd - t) * ng;
-            for (int i = 0; i < n; i += W)
-            {
-                S::store(s.tmp + i, S::loadAct(c.vScale, idx + i, c.scaleDtype));
-                S::store(s.tmp + 4 * kSCORE_STRIDE + i, S::loadAct(c.vZero, idx + i, c.scaleDtype));
-            }
-            for (int gi = 0; gi < ng; ++gi)
-                for (int i = 0; i < n; i += W * ng)
-                {
-                    const int tt = t - t0 + i / ng;
-                    S::store(vsf + gi * scoreStride() + tt, S::gather(s.tmp + i + gi, ng));
-                    S::store(vzf + gi * scoreStride() + tt, S::gather(s.tmp + 4 * kSCORE_STRIDE + i + gi, ng));
-                }
-            t = tEnd;
+            float zl[W];
+            S::store(zl, z);
+            for (int l = 0; l < W; ++l) // lane l holds group l % ng (W is a multiple of ng)
+                s.zacc[row * 8 + l % ng] += zl[l];
         }
-        for (int gi = 0; gi < ng; ++gi)
-            for (int t = span; t < spanPad; ++t)
-                vsf[gi * scoreStride() + t] = vzf[gi * scoreStride() + t] = 0.0f;
-        for (int gi = 0; gi < ng; ++gi)
-            for (int row = 0; row < rows; ++row)
-            {
-                const float* p = s.scores + int64_t(row) * scoreStride() + (t0 - a);
-                float* cf = s.coef + (int64_t(gi) * rows + row) * scoreStride() + (t0 - a);
-                typename S::F z = S::zero();
-                for (int t = 0; t < spanPad; t += W)
-                {
-                    const typename S::F pv = S::load(p + t);
-                    S::store(cf + t, S::mul(pv, S::load(vsf + gi * scoreStride() + t)));
-                    z = S::fma(pv, S::load(vzf + gi * scoreStride() + t), z);
-                }
-                s.zacc[row * 8 + gi] += S::hsum(z);
-            }
         constexpr int TILE_WORDS = 16 * D * BITS / 32;
         for (int t = t0; t < t1;) // transpose every tile of the span once (shared by all chunks and rows)
         {
@@ -500,13 +478,13 @@ struct Attn
             const int gi = 16 * VNB * k / c.Gv; // the value group of these channels (Gv >= 32 >= 16 VNB)
             for (int r0 = 0; r0 < rows; r0 += QRB)
             {
-                const float* coef = s.coef + (int64_t(gi) * rows + r0) * scoreStride() - a;
+                const float* coef = s.coef + r0 * cs + gi;
                 float* acc = s.acc + r0 * D;
                 switch (imin(QRB, rows - r0))
                 {
-                case 1: valueBlock<BITS, 1>(s.tw, t0, t1, k, coef, acc); break;
-                case 2: valueBlock<BITS, 2>(s.tw, t0, t1, k, coef, acc); break;
-                default: valueBlock<BITS, 3>(s.tw, t0, t1, k, coef, acc); break;
+                case 1: valueBlock<BITS, 1>(s.tw, t0, t1, k, coef, ng, cs, acc); break;
+                case 2: valueBlock<BITS, 2>(s.tw, t0, t1, k, coef, ng, cs, acc); break;
+                default: valueBlock<BITS, 3>(s.tw, t0, t1, k, coef, ng, cs, acc); break;
                 }
             }
         }
