@@ -235,23 +235,32 @@ struct Attn
         const int32_t r = j0 % c.BS;
         const int64_t sOff = ((int64_t(blk) * c.Hkv + g) * (c.BS / c.G) + r / c.G) * D;
         prefetchKeyGroup<BITS>(c, sp, g, t0 + c.G);
+        // locals: the intrinsics' stores may alias anything for the compiler, which would reload c and s each time
+        const void* const kScale = c.kScale;
+        const void* const kZero = c.kZero;
+        const int32_t sDtype = c.scaleDtype;
+        float* const ksc = s.ksc;
+        float* const kzr = s.kzr;
         for (int n = 0; n < NV; ++n)
         {
-            S::store(s.ksc + n * W, S::loadAct(c.kScale, sOff + n * W, c.scaleDtype));
-            S::store(s.kzr + n * W, S::loadAct(c.kZero, sOff + n * W, c.scaleDtype));
+            S::store(ksc + n * W, S::loadAct(kScale, sOff + n * W, sDtype));
+            S::store(kzr + n * W, S::loadAct(kZero, sOff + n * W, sDtype));
         }
+        const float* const qf = s.qf;
+        float* const qsAll = s.qs;
+        float* const czAll = s.cz;
         for (int row = 0; row < rows; ++row)
         {
-            const float* q = s.qf + row * D;
-            float* qs = s.qs + row * D;
+            const float* q = qf + row * D;
+            float* qs = qsAll + row * D;
             typename S::F z = S::zero();
             for (int n = 0; n < NV; ++n)
             {
                 typename S::F qv = S::load(q + n * W);
-                S::store(qs + n * W, S::mul(qv, S::load(s.ksc + n * W)));
-                z = S::fma(qv, S::load(s.kzr + n * W), z);
+                S::store(qs + n * W, S::mul(qv, S::load(ksc + n * W)));
+                z = S::fma(qv, S::load(kzr + n * W), z);
             }
-            s.cz[row] = S::hsum(z);
+            czAll[row] = S::hsum(z);
         }
         const int32_t* words = c.kCodes + (int64_t(blk) * c.Hkv + g) * int64_t(c.BS / 16) * TILE_WORDS;
         for (int t1 = t0; t1 < t0 + c.G; t1 += kK_TILE)
