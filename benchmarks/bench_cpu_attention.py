@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -153,10 +154,12 @@ def main() -> int:
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpu_isa": lib.resolve_isa("auto"), "python": sys.version.split()[0],
                     "torch": torch.__version__,
-                    "shared_machine": "2 cores shared with other jobs (load average > 10 during the run): wall times "
-                                      "are noisy; per-round ratios and cpu-time ratios are the robust comparison"},
+                    "load_average_1m_at_start": round(os.getloadavg()[0], 2),
+                    "note": "a shared machine: wall times are noisy; per-round ratios and cpu-time ratios are the "
+                            "robust comparison"},
         "geometries": {g: bench_geometry(g, args, gen) for g in args.geometry},
     }
+    result["machine"]["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -132,11 +133,13 @@ def main() -> int:
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,
                     "cpu_isa": native.load_library().resolve_isa("auto"), "python": sys.version.split()[0],
                     "torch": torch.__version__, "transformers": hf_version,
-                    "shared_machine": "2 cores shared with other jobs (load average > 10): absolute numbers are "
-                                      "noisy; per-step ratios (same moment) are the comparison"},
+                    "load_average_1m_at_start": round(os.getloadavg()[0], 2),
+                    "note": "a shared machine: absolute numbers are noisy; per-step ratios (same moment) are the "
+                            "comparison"},
         "batch": 1, "dtype": "float32",
         "contexts": [run_context(model, hf, ids, c, args) for c in args.contexts],
     }
+    result["machine"]["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
