@@ -49,6 +49,29 @@ def test_check_fails_on_a_corrupted_graph(tiny):
     assert not res.passed and res.max_logit_diff > LOGIT_ATOL / 10
 
 
+def test_a_rounding_boundary_flip_is_counted_once_and_does_not_propagate(tiny, monkeypatch):
+    """A code word that differs after one step (as where a value sits on a rounding boundary and the runtimes' fp32
+    roundings differ) is counted, then replaced by the torch runtime's: the later steps' logits stay as close as
+    without it (fp32 in both runtimes)."""
+    from trtllm_kivi.runtime.ort_runner import OrtRunner
+
+    step, calls = OrtRunner.step, []
+
+    def flipping_step(self, slots, tokens, all_logits=False):
+        out = step(self, slots, tokens, all_logits)
+        calls.append(1)
+        if len(calls) == 2:  # after the first decode step: flip the lowest code of slot 0's first block, layer 0
+            blk = self.cache._blocks[slots[0]][0]
+            self.cache.layers[0].k_codes[blk].view(-1)[0] ^= 1
+        return out
+
+    monkeypatch.setattr(OrtRunner, "step", flipping_step)
+    spec = ExportSpec("float32", max_batch_size=2, max_seq_len=256, max_num_tokens=256)
+    res = check_graph(tiny, export_llama(tiny, CFG, spec), graph_info(tiny, CFG, spec), _prompts(), decode_steps=8)
+    assert res.code_words_differing == 1
+    assert res.passed and res.max_logit_diff < 1e-4, res.to_dict()
+
+
 def test_check_refuses_prompts_past_the_graphs_maxima(tiny):
     spec = ExportSpec("float32", 1, 100, 100)
     graph, info = export_llama(tiny, CFG, spec), graph_info(tiny, CFG, spec)
