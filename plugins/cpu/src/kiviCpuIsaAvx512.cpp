@@ -96,7 +96,6 @@ struct S
     {
         transposeWords8x8(src, srcStride, dst);
     }
-    // Lane i = p[i * stride].
     // Lane i = p[i / ng] (ng = 1, 2, 4).
     static F spread(const float* p, int ng)
     {

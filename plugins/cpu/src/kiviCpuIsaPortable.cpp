@@ -108,7 +108,6 @@ struct S
             for (int c = 0; c < 8; ++c)
                 dst[c * 8 + r] = src[r * srcStride + c];
     }
-    // Lane i = p[i * stride].
     // Lane i = p[i / ng] (ng = 1, 2, 4).
     static F spread(const float* p, int ng)
     {

@@ -378,8 +378,8 @@ struct Attn
     static constexpr int VNB = 2;      // 16-channel blocks per register block
     static constexpr int QRB = 3;      // rows per register block
 
-    // acc[NR rows][channels 32 k .. 32 k + 32) += coef[row][(t - t0) ng] * code(t) over quantized values [t0, t1) (positions;
-    // whole tiles). In FRAGMENT order a value token's channel pairs there are pi = 8 k + 2 e + par, e in [0, 4):
+    // acc[NR rows][channels 32 k .. 32 k + 32) += coef[row][(t - t0) ng] * code(t) over quantized values [t0, t1)
+    // (positions; whole tiles). In FRAGMENT order a value token's channel pairs there are pi = 8 k + 2 e + par, e in [0, 4):
     // channels 16 (pi >> 2) + 8 par + gq of token 8 (e & 1) + 2 tq + h, in word j = pi / (16 / bits) of lane
     // (gq, tq) at position pi % (16 / bits) (independent of k since 16 / bits divides 8).
     // tw: the transposed tiles (transposeTile) of [t0, t1), consecutive; coef: the rows' entries of this block's value
@@ -433,8 +433,9 @@ struct Attn
     template <int BITS>
     static void valuesQuantized(const Ctx& c, const SeqPlan& sp, int g, int rows, int t0, int t1, int a, Scratch& s)
     {
-        // coef[row][e] = p_t * scale[e] and sum_t p_t * zero[e] over the store's token-major entries e = (t - t0) ng + gi:
-        // W consecutive entries take their p from W / ng tokens (S::spread), so scales need no transpose
+        // coef[row][e] = p_t * scale[e] and sum_t p_t * zero[e] over the store's token-major entries
+        // e = (t - t0) ng + gi: W consecutive entries take their p from W / ng tokens (S::spread), so scales need no
+        // transpose
         const int ng = D / c.Gv;
         const int64_t cs = int64_t(ng) * scoreStride();
         const void* const vScale = c.vScale; // locals: the stores below may alias c for the compiler
