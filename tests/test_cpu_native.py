@@ -117,6 +117,8 @@ CONFIGS = [  # (cfg, H, Hkv, D, dtype)
     (KiviConfig(k_bits=4, v_bits=2, group_size=64, residual_length=64, sink_tokens=128), 8, 2, 128, torch.float16),
     (KiviConfig(k_bits=8, v_bits=2, key_grouping="per_token", residual_length=32, sink_tokens=7), 4, 2, 64,
      torch.bfloat16),
+    # 8 KV heads at D 128: a decode item computes its split 4 heads at a time (headsPerPass), in two passes
+    (KiviConfig(v_bits=4), 8, 8, 128, torch.float32),
 ]
 
 # ragged steps: prefills, chunked prefill crossing flush points, decodes, long enough for several key splits

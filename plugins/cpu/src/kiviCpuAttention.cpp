@@ -542,21 +542,19 @@ int32_t runAttention(Ctx& ctx, const IsaKernels& k, int threads, int32_t batch, 
         for (int32_t i = 0; i < int32_t(seqs.size()); ++i)
         {
             const SeqPlan& sp = seqs[i];
+            if (sp.parallel) // a split of every KV head per item (kernel::Attn::splitPartial: memory order)
+                for (int32_t j = 0; j < sp.numSplits; ++j)
+                    items.push_back({i, -1, 0, j});
             for (int32_t g = 0; g < ctx.Hkv; ++g)
             {
                 if (sp.parallel)
-                {
-                    for (int32_t j = 0; j < sp.numSplits; ++j)
-                        items.push_back({i, g, 0, j});
                     merges.push_back({i, g, 0, -1});
-                }
                 else
                     for (int32_t t = 0; t < sp.numQTiles; ++t)
                         items.push_back({i, g, t, -1});
             }
         }
-    const int32_t rows = kQ_TILE * ctx.grp;
-    const int64_t perThread = scratchFloats(rows, ctx.D);
+    const int64_t perThread = scratchFloatsPerThread(ctx.grp, ctx.D);
     const int nThreads = threads < 1 ? 1 : threads;
     std::vector<float> scratch(size_t(perThread) * nThreads);
     pool().run(nThreads, int64_t(items.size()),

@@ -82,12 +82,34 @@ struct WorkItem
     int32_t seqIdx, kvHead, qTile, split; // split < 0: every split of the tile in order, output written
 };
 
+// A decode work item computes one split of as many KV heads at a time as fit this much scratch (3/4 of a 512 KiB L2;
+// one scratch per head, at most kMAX_HEADS_PER_PASS): SmolLM2 (91 KiB per head) passes all 3, Llama-3-8B's geometry
+// (147 KiB) 2 of its 8 (all 8 measured 5% slower: their scratch spills the L2).
+constexpr int64_t kPASS_SCRATCH_FLOATS = 96 * 1024;
+constexpr int32_t kMAX_HEADS_PER_PASS = 8;
+
 // Per-thread scratch sizes (floats) for a tile of `rows` query rows.
 static inline int64_t scratchFloats(int32_t rows, int32_t D)
 {
     // + the transposed fragment tiles of one split's quantized span (at most 8-bit codes: 4 D words per tile)
     return int64_t(rows) * (6 * D + 5 * kSCORE_STRIDE + 64) + 4 * kSCORE_STRIDE + 8 * D + 256
         + int64_t(kSPLIT_LEN / 16) * 4 * D + 64;
+}
+
+// KV heads per pass of a decode work item whose rows (chunk x grp) take scratchFloats(rows, D) each.
+static inline int32_t headsPerPass(int32_t rows, int32_t Hkv, int32_t D)
+{
+    int64_t n = kPASS_SCRATCH_FLOATS / scratchFloats(rows, D);
+    n = n < Hkv ? n : Hkv;
+    n = n < kMAX_HEADS_PER_PASS ? n : kMAX_HEADS_PER_PASS;
+    return n < 1 ? 1 : int32_t(n);
+}
+
+// Per-thread scratch (floats): a prefill tile (kQ_TILE positions, one head) or a decode pass (headsPerPass heads).
+static inline int64_t scratchFloatsPerThread(int32_t grp, int32_t D)
+{
+    const int64_t tile = scratchFloats(kQ_TILE * grp, D);
+    return tile > kPASS_SCRATCH_FLOATS ? tile : kPASS_SCRATCH_FLOATS;
 }
 
 // ------------------------------------------------------------------------------------ exact scalar conversions
