@@ -26,7 +26,7 @@ struct S
     static F set1(float x) { return _mm512_set1_ps(x); }
     static F load(const float* p) { return _mm512_loadu_ps(p); }
     static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
-    static F loadAct(const void* base, int64_t off, int32_t dtype)
+    __attribute__((always_inline)) static inline F loadAct(const void* base, int64_t off, int32_t dtype)
     {
         if (dtype == kiviCpuFloat32)
             return _mm512_loadu_ps(static_cast<const float*>(base) + off);

@@ -126,7 +126,7 @@ struct Attn
     // A 16-token fragment tile [8 gq][4 NW] (word (4 gq + tq) NW + j) -> dst [4 NW][8 gq]: word set (tq, j) at
     // dst + 8 (tq NW + j).
     template <int BITS>
-    static void transposeTile(const int32_t* tile, int32_t* dst)
+    __attribute__((always_inline)) static inline void transposeTile(const int32_t* tile, int32_t* dst)
     {
         constexpr int NW = D * BITS / 64;
         for (int m = 0; m < 4 * NW / 8; ++m)
