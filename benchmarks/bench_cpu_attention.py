@@ -71,6 +71,46 @@ def make_layers(cfg: KiviConfig, n_layers: int, hkv: int, d: int, batch: int, ct
     return kivi, table, dense
 
 
+def resident_per_token(cfg: KiviConfig, h: int, hkv: int, d: int, tokens: int, gen: torch.Generator,
+                       rounds: int) -> dict:
+    """Per-token time of the same op over a cache-resident store: one layer, batch 1, the most keys (whole 512-key
+    splits, at least one) whose store fits 448 KiB (a 512 KiB L2 here), called as many times as the DRAM case reads
+    tokens; the Python call overhead (as many calls over one key) is subtracted. Per (token x sequence x layer), ns.
+    A DRAM per-token time well above it means the op waits on memory, whatever fraction of the bandwidth it uses."""
+    res: dict = {}
+    i32 = dict(dtype=torch.int32)
+    q, k, v = (torch.randn(1, n, d, generator=gen) for n in (h, hkv, hkv))
+    slots, chunk = torch.zeros(1, **i32), torch.ones(1, **i32)
+    for key in ("kivi2", "fp16"):
+        ctx = 2048
+        while True:
+            kivi, table, dense = make_layers(cfg, 1, hkv, d, 1, ctx, gen)
+            store = (sum(t.numel() * t.element_size() for t in kivi[0]) if key == "kivi2"
+                     else sum(t.numel() * 2 for t in dense[0]))
+            if store <= 448 * 1024 or ctx <= 512:
+                break
+            ctx -= 512
+        calls = max(1, tokens // ctx)
+        times: dict[int, list[float]] = {ctx: [], 1: []}
+        for r in range(rounds + 1):  # round 0 warms up
+            for past_len in (ctx, 1):
+                past = torch.full((1,), past_len, **i32)
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    if key == "kivi2":
+                        kivi_attention_cpu_(q, k, v, slots, past, chunk, table, kivi[0], cfg, threads=1,
+                                            phase=_abi.PHASE_ATTENTION)
+                    else:
+                        full_attention_cpu_(q, k, v, slots, past, chunk, dense[0][0], dense[0][1], threads=1)
+                if r:
+                    times[past_len].append(time.perf_counter() - t0)
+        ovh = statistics.median(times[1]) / calls
+        res[key] = {"keys": ctx, "store_kib": round(store / 1024, 1), "calls": calls,
+                    "call_overhead_us": round(ovh * 1e6, 1),
+                    "ns_per_token": round((statistics.median(times[ctx]) / calls - ovh) / ctx * 1e9, 2)}
+    return res
+
+
 def bench_geometry(name: str, args, gen: torch.Generator) -> dict:
     n_model_layers, h, hkv, d, n_layers = GEOMETRIES[name]
     cfg = KiviConfig()
@@ -102,6 +142,8 @@ def bench_geometry(name: str, args, gen: torch.Generator) -> dict:
         for kc, vc in dense:  # writes the token at row ctx (the same row each round), then attends over ctx + 1
             full_attention_cpu_(q, k, v, slots, past, chunk, kc, vc, threads=threads)
 
+    resident = resident_per_token(cfg, h, hkv, d, n_layers * b * ctx, gen, args.rounds)
+    out["cache_resident_1_thread"] = resident
     for threads in args.threads:
         bw = read_bandwidth(threads)
         times: dict[str, list[float]] = {"kivi2": [], "fp16": []}
@@ -117,7 +159,12 @@ def bench_geometry(name: str, args, gen: torch.Generator) -> dict:
         ratio = statistics.median(f / q_ for f, q_ in zip(times["fp16"], times["kivi2"], strict=True))
         cpu_ratio = statistics.median(f / q_ for f, q_ in zip(cpu_times["fp16"], cpu_times["kivi2"], strict=True))
         gbs = {"kivi2": kivi_bytes / med["kivi2"] / 1e9, "fp16": fp16_bytes / med["fp16"] / 1e9}
-        bound = {key: ("bandwidth-bound" if gbs[key] > 0.6 * bw else "compute-bound") for key in gbs}
+        # per-token time against the cache-resident one (1 thread; call overhead removed from both)
+        stall = {key: (med[key] / (n_layers * b) - resident[key]["call_overhead_us"] * 1e-6) / ctx * 1e9
+                 / resident[key]["ns_per_token"] for key in med} if threads == 1 else {}
+        bound = {key: ("bandwidth-bound" if gbs[key] > 0.6 * bw else
+                       f"memory-latency-bound (per-token time {stall[key]:.2f}x the cache-resident one)"
+                       if stall.get(key, 1.0) > 1.15 else "compute-bound") for key in gbs}
         out["threads"][str(threads)] = {
             "median_s_per_step_all_layers": {key: round(v_, 5) for key, v_ in med.items()},
             "median_cpu_s_per_step": {key: round(statistics.median(t), 5) for key, t in cpu_times.items()},
@@ -125,6 +172,8 @@ def bench_geometry(name: str, args, gen: torch.Generator) -> dict:
             "read_bandwidth_gb_s_same_run": round(bw, 2),
             "fraction_of_bandwidth": {key: round(v_ / bw, 3) for key, v_ in gbs.items()},
             "bound": bound,
+            **({"dram_over_cache_resident_per_token": {key: round(x, 3) for key, x in stall.items()}}
+               if stall else {}),
             "speedup_kivi2_vs_fp16_median_of_round_ratios": round(ratio, 3),
             "speedup_kivi2_vs_fp16_cpu_time": round(cpu_ratio, 3),
         }
