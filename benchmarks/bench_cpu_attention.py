@@ -163,8 +163,9 @@ def bench_geometry(name: str, args, gen: torch.Generator) -> dict:
         stall = {key: (med[key] / (n_layers * b) - resident[key]["call_overhead_us"] * 1e-6) / ctx * 1e9
                  / resident[key]["ns_per_token"] for key in med} if threads == 1 else {}
         bound = {key: ("bandwidth-bound" if gbs[key] > 0.6 * bw else
+                       "not classified (the cache-resident check runs with 1 thread)" if not stall else
                        f"memory-latency-bound (per-token time {stall[key]:.2f}x the cache-resident one)"
-                       if stall.get(key, 1.0) > 1.15 else "compute-bound") for key in gbs}
+                       if stall[key] > 1.15 else "compute-bound") for key in gbs}
         out["threads"][str(threads)] = {
             "median_s_per_step_all_layers": {key: round(v_, 5) for key, v_ in med.items()},
             "median_cpu_s_per_step": {key: round(statistics.median(t), 5) for key, t in cpu_times.items()},
