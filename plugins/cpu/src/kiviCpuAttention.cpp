@@ -537,25 +537,33 @@ int32_t runAttention(Ctx& ctx, const IsaKernels& k, int threads, int32_t batch, 
     ctx.seqs = seqs.data();
     ctx.partials = partials.data();
 
+    // Decode items take every KV head of a split (memory order, kernel::Attn::splitPartial) when that leaves enough
+    // items for the threads, else one head each; the bits are the same either way (a head's arithmetic does not
+    // depend on which heads share its item).
+    const int nThreads = threads < 1 ? 1 : threads;
+    int64_t decodeSplits = 0;
+    for (const SeqPlan& sp : seqs)
+        decodeSplits += sp.parallel ? sp.numSplits : 0;
+    const int32_t headsPerItem = decodeSplits >= 4 * int64_t(nThreads) ? ctx.Hkv : 1;
     std::vector<WorkItem> items, merges;
     if (attend)
         for (int32_t i = 0; i < int32_t(seqs.size()); ++i)
         {
             const SeqPlan& sp = seqs[i];
-            if (sp.parallel) // a split of every KV head per item (kernel::Attn::splitPartial: memory order)
+            if (sp.parallel)
                 for (int32_t j = 0; j < sp.numSplits; ++j)
-                    items.push_back({i, -1, 0, j});
+                    for (int32_t g = 0; g < ctx.Hkv; g += headsPerItem)
+                        items.push_back({i, g, 0, j, headsPerItem});
             for (int32_t g = 0; g < ctx.Hkv; ++g)
             {
                 if (sp.parallel)
-                    merges.push_back({i, g, 0, -1});
+                    merges.push_back({i, g, 0, -1, 1});
                 else
                     for (int32_t t = 0; t < sp.numQTiles; ++t)
-                        items.push_back({i, g, t, -1});
+                        items.push_back({i, g, t, -1, 1});
             }
         }
     const int64_t perThread = scratchFloatsPerThread(ctx.grp, ctx.D);
-    const int nThreads = threads < 1 ? 1 : threads;
     std::vector<float> scratch(size_t(perThread) * nThreads);
     pool().run(nThreads, int64_t(items.size()),
         [&](int64_t i, int tid) { k.attendItem(ctx, items[size_t(i)], scratch.data() + perThread * tid); });

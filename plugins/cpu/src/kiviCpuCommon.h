@@ -79,7 +79,9 @@ struct Ctx
 
 struct WorkItem
 {
-    int32_t seqIdx, kvHead, qTile, split; // split < 0: every split of the tile in order, output written
+    // split >= 0 (decode): that split of KV heads [kvHead, kvHead + numHeads), partials stored; split < 0: every
+    // split of head kvHead's query tile qTile in order, output written
+    int32_t seqIdx, kvHead, qTile, split, numHeads;
 };
 
 // A decode work item computes one split of as many KV heads at a time as fit this much scratch (3/4 of a 512 KiB L2;

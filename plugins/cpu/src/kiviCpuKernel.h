@@ -754,13 +754,13 @@ struct Attn
         const int pos0 = it.qTile * kQ_TILE;
         const int npos = imin(kQ_TILE, sp.chunk - pos0);
         const int rows = npos * c.grp;
-        if (it.split >= 0) // one split of every KV head, headsPerPass at a time; partials stored
+        if (it.split >= 0) // one split of heads [kvHead, kvHead + numHeads), headsPerPass at a time; partials stored
         {
             Scratch hs[kMAX_HEADS_PER_PASS];
-            const int pass = headsPerPass(rows, c.Hkv, D);
-            for (int g0 = 0; g0 < c.Hkv; g0 += pass)
+            const int pass = headsPerPass(rows, c.Hkv, D), gEnd = it.kvHead + it.numHeads;
+            for (int g0 = it.kvHead; g0 < gEnd; g0 += pass)
             {
-                const int g1 = imin(c.Hkv, g0 + pass);
+                const int g1 = imin(gEnd, g0 + pass);
                 for (int g = g0; g < g1; ++g)
                 {
                     hs[g - g0] = carve(scratch + (g - g0) * scratchFloats(rows, D), rows);
