@@ -445,7 +445,7 @@ struct Attn
                 s.zacc[row * 8 + l % ng] += zl[l];
         }
         constexpr int TILE_WORDS = 16 * D * BITS / 32;
-        for (int t = t0; t < t1;) // transpose every tile of the span once (shared by all chunks and rows)
+        for (int t = t0; t < t1;) // transpose every tile once (shared by all rows)
         {
             const int jq = t - sp.sink; // store index
             const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + jq / c.BS];
@@ -576,27 +576,12 @@ struct Attn
                     }
             }
         }
-        const int sinkEnd = imin(b, sp.sink);
-        const int winStart = imax(a, qEnd), winEnd = imin(b, sp.past);
-        const int chStart = imax(a, sp.past);
         for (int g = g0; g < g1; ++g)
         {
             Scratch& s = hs[g - g0];
-            const int64_t headRow = int64_t(sp.slot) * c.Hkv + g;
-            auto winOff = [&](int t) { return (headRow * c.winRows + windowRowOf(t, c.sinks, c.W)) * D; };
-            auto denseOff = [&](int t) { return (headRow * c.maxSeqLen + t) * D; };
-            auto chunkOff = [&](int t) { return (int64_t(sp.tokOffset + t - sp.past) * c.Hkv + g) * D; };
-            if (c.dense)
-                scoresFull(c.kWin, c.cacheDtype, denseOff, rows, a, b, a, s);
-            else
-            {
-                if (a < sinkEnd)
-                    scoresFull(c.kWin, c.actDtype, winOff, rows, a, sinkEnd, a, s);
-                if (winStart < winEnd)
-                    scoresFull(c.kWin, c.actDtype, winOff, rows, winStart, winEnd, a, s);
-                if (chStart < b)
-                    scoresFull(c.k, c.actDtype, chunkOff, rows, chStart, b, a, s);
-            }
+            forFullRows(c, sp, g, a, b, true, [&](const void* base, int32_t dtype, auto rowOff, int t0, int t1) {
+                scoresFull(base, dtype, rowOff, rows, t0, t1, a, s);
+            });
             softmaxRows(c, sp, pos0, rows, a, b, s);
             for (int row = 0; row < rows; ++row)
             {
@@ -637,21 +622,9 @@ struct Attn
         for (int g = g0; g < g1; ++g)
         {
             Scratch& s = hs[g - g0];
-            const int64_t headRow = int64_t(sp.slot) * c.Hkv + g;
-            auto winOff = [&](int t) { return (headRow * c.winRows + windowRowOf(t, c.sinks, c.W)) * D; };
-            auto denseOff = [&](int t) { return (headRow * c.maxSeqLen + t) * D; };
-            auto chunkOff = [&](int t) { return (int64_t(sp.tokOffset + t - sp.past) * c.Hkv + g) * D; };
-            if (c.dense)
-                valuesFull(c.vWin, c.cacheDtype, denseOff, rows, a, b, a, s);
-            else
-            {
-                if (a < sinkEnd)
-                    valuesFull(c.vWin, c.actDtype, winOff, rows, a, sinkEnd, a, s);
-                if (winStart < winEnd)
-                    valuesFull(c.vWin, c.actDtype, winOff, rows, winStart, winEnd, a, s);
-                if (chStart < b)
-                    valuesFull(c.v, c.actDtype, chunkOff, rows, chStart, b, a, s);
-            }
+            forFullRows(c, sp, g, a, b, false, [&](const void* base, int32_t dtype, auto rowOff, int t0, int t1) {
+                valuesFull(base, dtype, rowOff, rows, t0, t1, a, s);
+            });
             for (int row = 0; row < rows; ++row)
             {
                 float* part = s.part + row * (D + 2);
@@ -659,6 +632,33 @@ struct Attn
                     part[2 + d] = s.acc[row * D + d];
             }
         }
+    }
+
+    // The full-precision keys (keys) or values of positions [a, b) of head g: fn(base, dtype, rowOff, t0, t1) per
+    // range, row t at base + rowOff(t). Dense cache: every row; else sinks and ring rows from the window, the chunk's
+    // own rows from k / v.
+    template <class Fn>
+    __attribute__((always_inline)) static inline void forFullRows(const Ctx& c, const SeqPlan& sp, int g, int a, int b,
+        bool keys, Fn fn)
+    {
+        const int64_t headRow = int64_t(sp.slot) * c.Hkv + g;
+        const void* const win = keys ? c.kWin : c.vWin;
+        if (c.dense)
+        {
+            fn(win, c.cacheDtype, [&](int t) { return (headRow * c.maxSeqLen + t) * D; }, a, b);
+            return;
+        }
+        auto winOff = [&](int t) { return (headRow * c.winRows + windowRowOf(t, c.sinks, c.W)) * D; };
+        const int sinkEnd = imin(b, sp.sink);
+        const int winStart = imax(a, sp.sink + sp.nq), winEnd = imin(b, sp.past);
+        const int chStart = imax(a, sp.past);
+        if (a < sinkEnd)
+            fn(win, c.actDtype, winOff, a, sinkEnd);
+        if (winStart < winEnd)
+            fn(win, c.actDtype, winOff, winStart, winEnd);
+        if (chStart < b)
+            fn(keys ? c.k : c.v, c.actDtype,
+                [&](int t) { return (int64_t(sp.tokOffset + t - sp.past) * c.Hkv + g) * D; }, chStart, b);
     }
 
     // 2. softmax numerators per row over its causal range [a, min(b, pos + 1)); p = 0 elsewhere; (m, l) into s.part
