@@ -119,6 +119,8 @@ CONFIGS = [  # (cfg, H, Hkv, D, dtype)
      torch.bfloat16),
     # 8 KV heads at D 128: a decode item computes its split 4 heads at a time (headsPerPass), in two passes
     (KiviConfig(v_bits=4), 8, 8, 128, torch.float32),
+    # a block size that is not a power of two: the per-block lookups divide by it, groups and tiles shift
+    (KiviConfig(block_size=96, residual_length=64), 6, 2, 64, torch.float32),
 ]
 
 # ragged steps: prefills, chunked prefill crossing flush points, decodes, long enough for several key splits

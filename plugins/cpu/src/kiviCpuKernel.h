@@ -177,17 +177,13 @@ struct Attn
                     NA == 2 ? S::add(acc[0][i][v], acc[NA - 1][i][v]) : acc[0][i][v]);
     }
 
-    // Software prefetch (into L2) of the group at position t0 if it is quantized: its scales, zeros and code tiles.
-    // The hardware prefetchers see short streams (one (block, head) at a time) and start too late.
+    // Software prefetch (into L2) of head g's key group at row r of physical block blk: its scales, zeros and code
+    // tiles. The hardware prefetchers see short streams (one (block, head) at a time) and start too late.
     template <int BITS>
-    static void prefetchKeyGroup(const Ctx& c, const SeqPlan& sp, int g, int t0)
+    static void prefetchKeyGroup(const Ctx& c, int g, int32_t blk, int r)
     {
-        if (t0 >= sp.sink + sp.nq)
-            return;
-        const int32_t j0 = t0 - sp.sink;
-        const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + j0 / c.BS];
-        const int32_t r = j0 % c.BS;
-        const int64_t sOff = ((int64_t(blk) * c.Hkv + g) * (c.BS / c.G) + r / c.G) * D;
+        const int gShift = __builtin_ctz(c.G); // group sizes are powers of two (format.SUPPORTED_GROUP_SIZES)
+        const int64_t sOff = ((int64_t(blk) * c.Hkv + g) * (c.BS >> gShift) + (r >> gShift)) * D;
         const int sb = dtypeBytes(c.scaleDtype);
         for (int i = 0; i < D * sb; i += 64)
         {
@@ -200,16 +196,19 @@ struct Attn
             __builtin_prefetch(w + i, 0, 2);
     }
 
-    // Scores of per-channel quantized keys [t0, t0 + G) (positions; one group, one block) for all rows.
+    // Scores of per-channel quantized keys [t0, t0 + G) (positions; one group at row r of physical block blk) for
+    // all rows; the next group (row r + G, or row 0 of block nextBlk if >= 0) is prefetched.
     template <int BITS>
-    static void scoresPerChannel(const Ctx& c, const SeqPlan& sp, int g, int rows, int t0, int a, Scratch& s)
+    static void scoresPerChannel(const Ctx& c, int g, int rows, int32_t blk, int r, int32_t nextBlk, int t0, int a,
+        Scratch& s)
     {
         constexpr int TILE_WORDS = 16 * D * BITS / 32;
-        const int32_t j0 = t0 - sp.sink; // store index of the group's first token
-        const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + j0 / c.BS];
-        const int32_t r = j0 % c.BS;
-        const int64_t sOff = ((int64_t(blk) * c.Hkv + g) * (c.BS / c.G) + r / c.G) * D;
-        prefetchKeyGroup<BITS>(c, sp, g, t0 + c.G);
+        const int gShift = __builtin_ctz(c.G);
+        const int64_t sOff = ((int64_t(blk) * c.Hkv + g) * (c.BS >> gShift) + (r >> gShift)) * D;
+        if (r + c.G < c.BS)
+            prefetchKeyGroup<BITS>(c, g, blk, r + c.G);
+        else if (nextBlk >= 0)
+            prefetchKeyGroup<BITS>(c, g, nextBlk, 0);
         // locals: the intrinsics' stores may alias anything for the compiler, which would reload c and s each time
         const void* const kScale = c.kScale;
         const void* const kZero = c.kZero;
@@ -241,7 +240,7 @@ struct Attn
         for (int t1 = t0; t1 < t0 + c.G; t1 += kK_TILE)
         {
             const int32_t* tw = s.tw; // the tile's words, transposed
-            transposeTile<BITS>(words + int64_t((r + t1 - t0) / 16) * TILE_WORDS, s.tw);
+            transposeTile<BITS>(words + int64_t((r + t1 - t0) >> 4) * TILE_WORDS, s.tw);
             for (int r0 = 0; r0 < rows; r0 += RB)
             {
                 const float* qs = s.qs + r0 * D;
@@ -403,61 +402,70 @@ struct Attn
                 S::store(acc + i * D + 16 * VNB * k + j * W, a[i][j]);
     }
 
+    // coef[row][e] = p_t * scale[e] and zacc[row][gi] += sum_t p_t * zero[e] for NR rows over n store entries from idx
+    // (token-major e = (t - t0) ng + gi): W consecutive entries take their p from W / ng tokens (S::spread), so scales
+    // need no transpose. p, coef, zacc: row 0's (strides scoreStride, ng scoreStride, 8).
+    template <int NR>
+    static void stageCoefs(const Ctx& c, int64_t idx, int n, int ng, const float* p, float* coef, float* zacc)
+    {
+        const void* const vScale = c.vScale; // locals: the stores below may alias c for the compiler
+        const void* const vZero = c.vZero;
+        const int32_t sDtype = c.scaleDtype;
+        const int64_t cs = int64_t(ng) * scoreStride();
+        const int ngShift = __builtin_ctz(ng); // e / ng without a division
+        typename S::F z[NR];
+        for (int i = 0; i < NR; ++i)
+            z[i] = S::zero();
+        for (int e = 0; e < n; e += W)
+        {
+            const typename S::F sc = S::loadAct(vScale, idx + e, sDtype), zr = S::loadAct(vZero, idx + e, sDtype);
+            for (int i = 0; i < NR; ++i)
+            {
+                const typename S::F pv = S::spread(p + int64_t(i) * scoreStride() + (e >> ngShift), ng);
+                S::store(coef + i * cs + e, S::mul(pv, sc));
+                z[i] = S::fma(pv, zr, z[i]);
+            }
+        }
+        for (int i = 0; i < NR; ++i)
+        {
+            float zl[W];
+            S::store(zl, z[i]);
+            for (int l = 0; l < W; ++l) // lane l holds group l % ng (ng in {1, 2, 4} divides W)
+                zacc[i * 8 + (l & (ng - 1))] += zl[l];
+        }
+    }
+
     // Stage per-token quantized values t in [t0, t1) (whole tiles of one block) of the span starting at qa:
     // coef = p_t * scale per token and group, zacc += sum_t p_t * zero per group (added once at the end of the split),
     // and the transposed tiles. Every store byte of the values is read here (valuesAccumulate reads scratch only).
     template <int BITS>
     static void valuesStage(const Ctx& c, const SeqPlan& sp, int g, int rows, int qa, int t0, int t1, int a, Scratch& s)
     {
-        // coef[row][e] = p_t * scale[e] and sum_t p_t * zero[e] over the store's token-major entries
-        // e = (t - qa) ng + gi: W consecutive entries take their p from W / ng tokens (S::spread), so scales need no
-        // transpose
         const int ng = D / c.Gv;
-        const int64_t cs = int64_t(ng) * scoreStride();
-        const void* const vScale = c.vScale; // locals: the stores below may alias c for the compiler
-        const void* const vZero = c.vZero;
-        const int32_t sDtype = c.scaleDtype;
-        for (int row = 0; row < rows; ++row)
+        const int jq = t0 - sp.sink; // store index; [t0, t1) lies in one block
+        const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + jq / c.BS];
+        const int64_t idx = ((int64_t(blk) * c.Hkv + g) * c.BS + jq % c.BS) * ng;
+        for (int r0 = 0; r0 < rows; r0 += RB) // each scale / zero vector converted once per RB rows
         {
-            const float* p = s.scores + int64_t(row) * scoreStride() + (t0 - a);
-            float* cf = s.coef + row * cs + (t0 - qa) * ng;
-            typename S::F z = S::zero();
-            for (int t = t0; t < t1;)
+            const float* p = s.scores + int64_t(r0) * scoreStride() + (t0 - a);
+            float* cf = s.coef + int64_t(r0) * ng * scoreStride() + (t0 - qa) * ng;
+            float* zacc = s.zacc + r0 * 8;
+            switch (imin(RB, rows - r0))
             {
-                const int jq = t - sp.sink; // store index
-                const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + jq / c.BS];
-                const int tEnd = imin(t1, t + (c.BS - jq % c.BS));
-                const int64_t idx = ((int64_t(blk) * c.Hkv + g) * c.BS + jq % c.BS) * ng;
-                const int n = (tEnd - t) * ng; // a multiple of 16 ng entries (whole tiles)
-                const float* pt = p + (t - t0);
-                float* ct = cf + (t - t0) * ng;
-                for (int i = 0; i < n; i += W, pt += W / ng)
-                {
-                    const typename S::F pv = S::spread(pt, ng);
-                    S::store(ct + i, S::mul(pv, S::loadAct(vScale, idx + i, sDtype)));
-                    z = S::fma(pv, S::loadAct(vZero, idx + i, sDtype), z);
-                }
-                t = tEnd;
+            case 1: stageCoefs<1>(c, idx, (t1 - t0) * ng, ng, p, cf, zacc); break;
+            case 2: stageCoefs<2>(c, idx, (t1 - t0) * ng, ng, p, cf, zacc); break;
+            case 3: stageCoefs<3>(c, idx, (t1 - t0) * ng, ng, p, cf, zacc); break;
+            default: stageCoefs<4>(c, idx, (t1 - t0) * ng, ng, p, cf, zacc); break;
             }
-            float zl[W];
-            S::store(zl, z);
-            for (int l = 0; l < W; ++l) // lane l holds group l % ng (W is a multiple of ng)
-                s.zacc[row * 8 + l % ng] += zl[l];
         }
         constexpr int TILE_WORDS = 16 * D * BITS / 32;
-        for (int t = t0; t < t1;) // transpose every tile once (shared by all rows)
+        const int32_t* words = c.vCodes + (int64_t(blk) * c.Hkv + g) * int64_t(c.BS / 16) * TILE_WORDS
+            + int64_t(jq % c.BS / 16) * TILE_WORDS;
+        for (int t = t0; t < t1; t += 16, words += TILE_WORDS) // transpose every tile once (shared by all rows)
         {
-            const int jq = t - sp.sink; // store index
-            const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + jq / c.BS];
-            const int tEnd = imin(t1, t + (c.BS - jq % c.BS));
-            const int32_t* words = c.vCodes + (int64_t(blk) * c.Hkv + g) * int64_t(c.BS / 16) * TILE_WORDS
-                + int64_t(jq % c.BS / 16) * TILE_WORDS;
-            for (; t < tEnd; t += 16, words += TILE_WORDS)
-            {
-                for (int i = 0; i < TILE_WORDS * 4; i += 64) // 4 tiles ahead (within the block's contiguous words)
-                    __builtin_prefetch(reinterpret_cast<const char*>(words + 4 * TILE_WORDS) + i, 0, 2);
-                transposeTile<BITS>(words, s.tw + int64_t(t - qa) / 16 * TILE_WORDS);
-            }
+            for (int i = 0; i < TILE_WORDS * 4; i += 64) // 4 tiles ahead (within the block's contiguous words)
+                __builtin_prefetch(reinterpret_cast<const char*>(words + 4 * TILE_WORDS) + i, 0, 2);
+            transposeTile<BITS>(words, s.tw + int64_t(t - qa) / 16 * TILE_WORDS);
         }
     }
 
@@ -551,16 +559,23 @@ struct Attn
             if (c.keyGrouping == 0)
             {
                 for (int t = qa; t < qend; t = blockEnd(t))
+                {
+                    // the block lookups once per block (divisions by the run-time block size)
+                    const int jb = (t - sp.sink) / c.BS, r0 = (t - sp.sink) % c.BS, tEnd = blockEnd(t);
+                    const int32_t* row = c.blockTable + int64_t(sp.seq) * c.maxBlocks;
+                    const int32_t nextBlk = (jb + 1) * c.BS < sp.nq ? row[jb + 1] : -1;
                     for (int g = g0; g < g1; ++g)
-                        for (int t0 = t; t0 < blockEnd(t); t0 += c.G)
+                        for (int t0 = t; t0 < tEnd; t0 += c.G)
                         {
+                            const int r = r0 + (t0 - t);
                             switch (c.kBits)
                             {
-                            case 2: scoresPerChannel<2>(c, sp, g, rows, t0, a, hs[g - g0]); break;
-                            case 4: scoresPerChannel<4>(c, sp, g, rows, t0, a, hs[g - g0]); break;
-                            default: scoresPerChannel<8>(c, sp, g, rows, t0, a, hs[g - g0]); break;
+                            case 2: scoresPerChannel<2>(c, g, rows, row[jb], r, nextBlk, t0, a, hs[g - g0]); break;
+                            case 4: scoresPerChannel<4>(c, g, rows, row[jb], r, nextBlk, t0, a, hs[g - g0]); break;
+                            default: scoresPerChannel<8>(c, g, rows, row[jb], r, nextBlk, t0, a, hs[g - g0]); break;
                             }
                         }
+                }
             }
             else
             {
