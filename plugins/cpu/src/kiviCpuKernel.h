@@ -177,13 +177,20 @@ struct Attn
                     NA == 2 ? S::add(acc[0][i][v], acc[NA - 1][i][v]) : acc[0][i][v]);
     }
 
+    // Index of the first per-channel key scale / zero of head g's group at row r of physical block blk
+    // (layout [block][Hkv][BS / G][D]; group sizes are powers of two, format.SUPPORTED_GROUP_SIZES).
+    static int64_t keyScaleOffset(const Ctx& c, int g, int32_t blk, int r)
+    {
+        const int gShift = __builtin_ctz(c.G);
+        return ((int64_t(blk) * c.Hkv + g) * (c.BS >> gShift) + (r >> gShift)) * D;
+    }
+
     // Software prefetch (into L2) of head g's key group at row r of physical block blk: its scales, zeros and code
     // tiles. The hardware prefetchers see short streams (one (block, head) at a time) and start too late.
     template <int BITS>
     static void prefetchKeyGroup(const Ctx& c, int g, int32_t blk, int r)
     {
-        const int gShift = __builtin_ctz(c.G); // group sizes are powers of two (format.SUPPORTED_GROUP_SIZES)
-        const int64_t sOff = ((int64_t(blk) * c.Hkv + g) * (c.BS >> gShift) + (r >> gShift)) * D;
+        const int64_t sOff = keyScaleOffset(c, g, blk, r);
         const int sb = dtypeBytes(c.scaleDtype);
         for (int i = 0; i < D * sb; i += 64)
         {
@@ -203,8 +210,7 @@ struct Attn
         Scratch& s)
     {
         constexpr int TILE_WORDS = 16 * D * BITS / 32;
-        const int gShift = __builtin_ctz(c.G);
-        const int64_t sOff = ((int64_t(blk) * c.Hkv + g) * (c.BS >> gShift) + (r >> gShift)) * D;
+        const int64_t sOff = keyScaleOffset(c, g, blk, r);
         if (r + c.G < c.BS)
             prefetchKeyGroup<BITS>(c, g, blk, r + c.G);
         else if (nextBlk >= 0)
@@ -561,7 +567,8 @@ struct Attn
                 for (int t = qa; t < qend; t = blockEnd(t))
                 {
                     // the block lookups once per block (divisions by the run-time block size)
-                    const int jb = (t - sp.sink) / c.BS, r0 = (t - sp.sink) % c.BS, tEnd = blockEnd(t);
+                    const int jb = (t - sp.sink) / c.BS, r0 = (t - sp.sink) % c.BS;
+                    const int tEnd = imin(qend, t + c.BS - r0); // = blockEnd(t)
                     const int32_t* row = c.blockTable + int64_t(sp.seq) * c.maxBlocks;
                     const int32_t nextBlk = (jb + 1) * c.BS < sp.nq ? row[jb + 1] : -1;
                     for (int g = g0; g < g1; ++g)
