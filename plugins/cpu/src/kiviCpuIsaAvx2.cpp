@@ -76,16 +76,16 @@ struct S
             return _cvtsh_ss(static_cast<const uint16_t*>(base)[i]);
         return loadScalar(base, i, dtype);
     }
-    // The scalar formula of kernel::expScalar, lane-wise.
+    // The scalar formula of kernel::expScalar, lane-wise. NaN propagates through max / min (they return their second
+    // operand, x, when it is NaN) and the final mask (unordered compares are true).
     static F exp(F x)
     {
-        const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-        const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.33654f), _CMP_LT_OQ);
-        __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(80.0f));
-        const __m256 fx = _mm256_floor_ps(
-            _mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
-        __m256 r = _mm256_sub_ps(xc, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
-        r = _mm256_sub_ps(r, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+        const __m256 lo = _mm256_set1_ps(kEXP_LO), shifter = _mm256_set1_ps(kEXP_SHIFTER);
+        const __m256 xc = _mm256_min_ps(_mm256_set1_ps(kEXP_HI), _mm256_max_ps(lo, x));
+        const __m256 t = _mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), shifter);
+        const __m256 fx = _mm256_sub_ps(t, shifter);
+        __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), xc);
+        r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
         __m256 y = _mm256_set1_ps(1.9875691500E-4f);
         y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
         y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
@@ -93,10 +93,8 @@ struct S
         y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
         y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
         y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(y, r), r, r), _mm256_set1_ps(1.0f));
-        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-        __m256 res = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-        res = _mm256_blendv_ps(res, _mm256_setzero_ps(), under);
-        return _mm256_blendv_ps(res, x, nan);
+        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(127)), 23);
+        return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), _mm256_cmp_ps(x, lo, _CMP_NLT_UQ));
     }
     // dst[c * 8 + r] = src[r * srcStride + c] for r, c in [0, 8) (kiviCpuTranspose.h).
     __attribute__((always_inline)) static inline void transpose8(const int32_t* src, int srcStride, int32_t* dst)

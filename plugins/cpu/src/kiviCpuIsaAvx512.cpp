@@ -69,16 +69,15 @@ struct S
             return _cvtsh_ss(static_cast<const uint16_t*>(base)[i]);
         return loadScalar(base, i, dtype);
     }
+    // The scalar formula of kernel::expScalar, lane-wise (NaN: as in the AVX2 path).
     static F exp(F x)
     {
-        const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-        const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_LT_OQ);
-        __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(80.0f));
-        const __m512 fx = _mm512_roundscale_ps(
-            _mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
-            _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-        __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(fx, _mm512_set1_ps(0.693359375f)));
-        r = _mm512_sub_ps(r, _mm512_mul_ps(fx, _mm512_set1_ps(-2.12194440e-4f)));
+        const __m512 lo = _mm512_set1_ps(kEXP_LO), shifter = _mm512_set1_ps(kEXP_SHIFTER);
+        const __m512 xc = _mm512_min_ps(_mm512_set1_ps(kEXP_HI), _mm512_max_ps(lo, x));
+        const __m512 t = _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), shifter);
+        const __m512 fx = _mm512_sub_ps(t, shifter);
+        __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), xc);
+        r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
         __m512 y = _mm512_set1_ps(1.9875691500E-4f);
         y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
         y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
@@ -86,10 +85,8 @@ struct S
         y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
         y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
         y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, r), r, r), _mm512_set1_ps(1.0f));
-        const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
-        __m512 res = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-        res = _mm512_mask_mov_ps(res, under, _mm512_setzero_ps());
-        return _mm512_mask_mov_ps(res, nan, x);
+        const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(127)), 23);
+        return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
     }
     // dst[c * 8 + r] = src[r * srcStride + c] for r, c in [0, 8) (kiviCpuTranspose.h).
     __attribute__((always_inline)) static inline void transpose8(const int32_t* src, int srcStride, int32_t* dst)
