@@ -329,11 +329,11 @@ struct Attn
     __attribute__((always_inline)) static inline void prefetchRows(const void* base, int32_t dtype, RowOff rowOff,
         int t0, int t1)
     {
-        const int rowBytes = D * dtypeBytes(dtype);
+        const int eb = dtypeBytes(dtype);
         for (int t = t0; t < t1; ++t)
         {
-            const char* p = static_cast<const char*>(base) + rowOff(t) * dtypeBytes(dtype);
-            for (int i = 0; i < rowBytes; i += 64)
+            const char* p = static_cast<const char*>(base) + rowOff(t) * eb;
+            for (int i = 0; i < D * eb; i += 64)
                 __builtin_prefetch(p + i, 0, 3);
         }
     }
