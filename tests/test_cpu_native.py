@@ -29,7 +29,7 @@ from trtllm_kivi.cpu.ops import full_attention_cpu_, kivi_attention_cpu_, kivi_l
 needs_layout = pytest.mark.skipif(kivi_layout_mismatch() is not None, reason=str(kivi_layout_mismatch()))
 
 LIB = native.load_library()
-ISAS = ["portable", "avx2", "avx512"]
+ISAS = ["portable", "avx2", "avx512", "avx512vnni"]
 
 
 def _isa(name: str) -> str:
@@ -303,6 +303,6 @@ def test_unsupported_geometry_and_isa() -> None:
 def test_library_metadata() -> None:
     from trtllm_kivi.cpu.ops import CODE_LAYOUT_VERSION
     assert LIB.format_version() == CODE_LAYOUT_VERSION  # the code layout it implements (kivi_layout_mismatch)
-    assert LIB.resolve_isa("auto") in ("portable", "avx2", "avx512")
+    assert LIB.resolve_isa("auto") in ("portable", "avx2", "avx512", "avx512vnni")
     assert LIB.isa_supported("portable")
     assert LIB.split_len() % 128 == 0 and math.gcd(LIB.split_len(), 512) == 512

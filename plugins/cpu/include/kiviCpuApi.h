@@ -16,8 +16,16 @@ extern "C" {
 
 // Activation / scale / cache dtype codes (same order as format.SUPPORTED_SCALE_DTYPES).
 enum KiviCpuDtype { kiviCpuFloat16 = 0, kiviCpuBfloat16 = 1, kiviCpuFloat32 = 2 };
-// Instruction-set path: auto picks the best the CPU supports; a forced path the CPU lacks is an error.
-enum KiviCpuIsa { kiviCpuIsaAuto = 0, kiviCpuIsaPortable = 1, kiviCpuIsaAvx2 = 2, kiviCpuIsaAvx512 = 3 };
+// Instruction-set path: auto picks the best the CPU supports; a forced path the CPU lacks is an error. avx512vnni is
+// avx512 plus VNNI and VBMI (integer dot products for 2-bit codes).
+enum KiviCpuIsa
+{
+    kiviCpuIsaAuto = 0,
+    kiviCpuIsaPortable = 1,
+    kiviCpuIsaAvx2 = 2,
+    kiviCpuIsaAvx512 = 3,
+    kiviCpuIsaAvx512Vnni = 4
+};
 // What a step runs: attend then append (the op), attention only, or append only.
 enum KiviCpuPhase { kiviCpuPhaseStep = 3, kiviCpuPhaseAttention = 1, kiviCpuPhaseAppend = 2 };
 enum KiviCpuStatus { kiviCpuOk = 0, kiviCpuInvalidValue = 1, kiviCpuUnsupportedIsa = 2, kiviCpuInternal = 3 };
@@ -79,7 +87,7 @@ KIVI_CPU_API size_t kiviCpuParamsSize(void);
 KIVI_CPU_API size_t kiviCpuDenseParamsSize(void);
 // 1 when the path is compiled in and the CPU supports it (kiviCpuIsaAuto: always 1).
 KIVI_CPU_API int32_t kiviCpuIsaSupported(int32_t isa);
-// The path kiviCpuIsaAuto resolves to (honours $TRTLLM_KIVI_CPU_ISA = portable|avx2|avx512).
+// The path kiviCpuIsaAuto resolves to (honours $TRTLLM_KIVI_CPU_ISA = portable|avx2|avx512|avx512vnni).
 KIVI_CPU_API int32_t kiviCpuResolveIsa(int32_t isa);
 // Keys per split of the log-sum-exp merge (fixed: results do not depend on threads or batch).
 KIVI_CPU_API int32_t kiviCpuSplitLen(void);

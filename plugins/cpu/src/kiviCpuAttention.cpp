@@ -45,6 +45,9 @@ bool cpuHas(int32_t isa)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
             && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
             && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+    if (isa == kiviCpuIsaAvx512Vnni)
+        return cpuHas(kiviCpuIsaAvx512) && __builtin_cpu_supports("avx512vnni")
+            && __builtin_cpu_supports("avx512vbmi");
 #endif
     return isa == kiviCpuIsaPortable;
 }
@@ -60,6 +63,8 @@ int32_t envIsa()
         return kiviCpuIsaAvx2;
     if (std::strcmp(e, "avx512") == 0)
         return kiviCpuIsaAvx512;
+    if (std::strcmp(e, "avx512vnni") == 0)
+        return kiviCpuIsaAvx512Vnni;
     return -1;
 }
 
@@ -68,26 +73,33 @@ int32_t resolveIsa(int32_t isa)
     if (isa == kiviCpuIsaAuto)
         isa = envIsa();
     if (isa == kiviCpuIsaAuto)
-        return cpuHas(kiviCpuIsaAvx512) ? kiviCpuIsaAvx512 : cpuHas(kiviCpuIsaAvx2) ? kiviCpuIsaAvx2 : kiviCpuIsaPortable;
+    {
+        for (int32_t i = kiviCpuIsaAvx512Vnni; i > kiviCpuIsaPortable; --i)
+            if (cpuHas(i))
+                return i;
+        return kiviCpuIsaPortable;
+    }
     return isa;
 }
 
 const IsaKernels* kernelsFor(int32_t isa)
 {
     const int32_t r = resolveIsa(isa);
-    if (r < kiviCpuIsaPortable || r > kiviCpuIsaAvx512)
+    if (r < kiviCpuIsaPortable || r > kiviCpuIsaAvx512Vnni)
     {
         tLastError = "isa=" + std::to_string(isa) + " (or $TRTLLM_KIVI_CPU_ISA) is not a path; allowed: 0 auto, "
-            "1 portable, 2 avx2, 3 avx512 ($TRTLLM_KIVI_CPU_ISA: auto|portable|avx2|avx512)";
+            "1 portable, 2 avx2, 3 avx512, 4 avx512vnni ($TRTLLM_KIVI_CPU_ISA: auto|portable|avx2|avx512|avx512vnni)";
         return nullptr;
     }
     if (!cpuHas(r))
     {
-        static const char* names[] = {"auto", "portable", "avx2", "avx512"};
+        static const char* names[] = {"auto", "portable", "avx2", "avx512", "avx512vnni"};
         tLastError = std::string("isa path ") + names[r] + " is not supported by this CPU (or not compiled in)";
         return nullptr;
     }
 #if defined(KIVI_CPU_HAVE_X86)
+    if (r == kiviCpuIsaAvx512Vnni)
+        return &kAvx512VnniKernels;
     if (r == kiviCpuIsaAvx512)
         return &kAvx512Kernels;
     if (r == kiviCpuIsaAvx2)
@@ -615,7 +627,7 @@ size_t kiviCpuDenseParamsSize(void)
 
 int32_t kiviCpuIsaSupported(int32_t isa)
 {
-    return isa == kiviCpuIsaAuto ? 1 : (isa >= kiviCpuIsaPortable && isa <= kiviCpuIsaAvx512 && cpuHas(isa));
+    return isa == kiviCpuIsaAuto ? 1 : (isa >= kiviCpuIsaPortable && isa <= kiviCpuIsaAvx512Vnni && cpuHas(isa));
 }
 
 int32_t kiviCpuResolveIsa(int32_t isa)

@@ -94,11 +94,17 @@ constexpr int64_t kPASS_SCRATCH_FLOATS = 96 * 1024;
 constexpr int32_t kMAX_HEADS_PER_PASS = 8;
 
 // Per-thread scratch sizes (floats) for a tile of `rows` query rows.
+// Integer dot-product paths (S::kDOT8): fixed-point digits per operand, and the dwords of one row's value digits
+// ([4 value groups at most][a split's tiles][16]: the digits' 4 token quads, padded to 64 bytes).
+constexpr int32_t kDOT8_DIGITS = 3;
+constexpr int32_t kDOT8_VALUE_DWORDS = 4 * (kSPLIT_LEN / 16) * 16;
+
 static inline int64_t scratchFloats(int32_t rows, int32_t D)
 {
     // + the transposed fragment tiles of one split's quantized span (at most 8-bit codes: 4 D words per tile)
+    // + per row: key and value digits, their scales (kDOT8 paths)
     return int64_t(rows) * (6 * D + 5 * kSCORE_STRIDE + 64) + 4 * kSCORE_STRIDE + 8 * D + 256
-        + int64_t(kSPLIT_LEN / 16) * 4 * D + 64;
+        + int64_t(kSPLIT_LEN / 16) * 4 * D + 64 + int64_t(rows) * (kDOT8_DIGITS * D / 4 + kDOT8_VALUE_DWORDS + 1) + 8;
 }
 
 // KV heads per pass of a decode work item whose rows (chunk x grp) take scratchFloats(rows, D) each.

@@ -17,6 +17,7 @@ extern const IsaKernels kPortableKernels;
 #ifdef KIVI_CPU_HAVE_X86
 extern const IsaKernels kAvx2Kernels;
 extern const IsaKernels kAvx512Kernels;
+extern const IsaKernels kAvx512VnniKernels;
 #endif
 
 } // namespace cpu

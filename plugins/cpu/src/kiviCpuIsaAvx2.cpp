@@ -31,6 +31,7 @@ static const Lut2 kLut2;
 struct S
 {
     static constexpr int W = 8;
+    static constexpr bool kDOT8 = false; // no integer dot-product path (kiviCpuIsaAvx512.cpp, KIVI_AVX512_VNNI)
     using F = __m256;
 
     static F zero() { return _mm256_setzero_ps(); }

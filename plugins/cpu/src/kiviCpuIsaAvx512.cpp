@@ -1,26 +1,118 @@
 // AVX-512 (F + BW + VL + DQ) path (compiled with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c; only
-// called when the CPU reports avx512f/bw/vl/dq).
+// called when the CPU reports avx512f/bw/vl/dq). kiviCpuIsaAvx512Vnni.cpp compiles this file again with
+// KIVI_AVX512_VNNI (and -mavx512vnni -mavx512vbmi): the 2-bit quantized keys and values then take the integer dot
+// products below (S::kDOT8) instead of decode + fp32 FMA.
 #include "kiviCpuCommon.h"
 #include "kiviCpuIsa.h"
-#include "kiviCpuTranspose.h"
+#include <array>
+#include <cfloat>
 #include <immintrin.h>
+
+#ifdef KIVI_AVX512_VNNI
+#define KIVI_AVX512_NS avx512vnni
+#else
+#define KIVI_AVX512_NS avx512
+#endif
 
 namespace trtllm_kivi
 {
 namespace cpu
 {
-namespace avx512
+namespace KIVI_AVX512_NS
 {
 
 alignas(64) static const int32_t kShift2[16] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
 alignas(64) static const int32_t kShift4[16] = {0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28};
 alignas(64) static const int32_t kShift8[16] = {0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24, 0, 8, 16, 24};
 alignas(64) static const int32_t kPerm8[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+// transpose8: lane l = 8 e + r reads lane 8 (r % 2) + e of z[r % 4 / 2] (+ 2 o for output o)
+alignas(64) static const int32_t kT8[16] = {0, 8, 16, 24, 0, 8, 16, 24, 1, 9, 17, 25, 1, 9, 17, 25};
+
+#ifdef KIVI_AVX512_VNNI
+// Constants of the integer dot-product routines of S (kDOT8).
+// vpmultishiftqb selectors (output byte B of 32-bit lane L = B / 4 takes 8 bits from bit sel of L's qword;
+// lanes 8..15 read the same 8 words as lanes 0..7, broadcast, at par = 1). Keys, half h: byte b of lane L (token
+// L) = channel 8 (4 j + b) + 2 tq + h, at bit 16 h + 4 b + 2 par of its word.
+constexpr std::array<uint8_t, 64> keySel(int h)
+{
+    std::array<uint8_t, 64> a{};
+    for (int B = 0; B < 64; ++B)
+        a[B] = uint8_t(32 * (B / 4 % 2) + 16 * h + 4 * (B % 4) + 2 * (B / 32));
+    return a;
+}
+// Values, quarter q2: byte b of lane L (channel 32 j + 16 q2 + L) = token 8 (b >> 1) + 2 tq + (b & 1), at bit
+// 16 (b & 1) + 8 q2 + 4 (b >> 1) + 2 par.
+constexpr std::array<uint8_t, 64> valueSel(int q2)
+{
+    std::array<uint8_t, 64> a{};
+    for (int B = 0; B < 64; ++B)
+        a[B] = uint8_t(32 * (B / 4 % 2) + 16 * (B % 2) + 8 * q2 + 4 * (B % 4 / 2) + 2 * (B / 32));
+    return a;
+}
+constexpr std::array<uint8_t, 64> kKEY_SEL[2] = {keySel(0), keySel(1)};
+constexpr std::array<uint8_t, 64> kVALUE_SEL[2] = {valueSel(0), valueSel(1)};
+
+// Byte gather of the key digits: table byte p = 4 m + b of digit k (m = (tq NW + j) 2 + h, the dword broadcast
+// for word set (tq, j), half h) is byte k of channel ch = 8 (4 j + b) + 2 tq + h's digit word, source byte
+// 4 ch + k; vpermt2b reads 128 source bytes, so every output vector blends D / 32 of them (masks).
+template <int D>
+struct KeyGather
+{
+    std::array<std::array<uint8_t, 64>, kDOT8_DIGITS * D / 64> idx{}; // [k D / 64 + o]: source byte & 127
+    std::array<uint64_t, kDOT8_DIGITS * D / 64 * (D / 32)> mask{};   // [(k D / 64 + o) D / 32 + source / 128]
+};
+template <int D>
+constexpr KeyGather<D> keyGather()
+{
+    KeyGather<D> g{};
+    for (int k = 0; k < kDOT8_DIGITS; ++k)
+        for (int p = 0; p < D; ++p)
+        {
+            const int m = p / 4, b = p % 4, h = m % 2, j = m / 2 % (D / 32), tq = m / 2 / (D / 32);
+            const int src = 4 * (8 * (4 * j + b) + 2 * tq + h) + k, o = k * D / 64 + p / 64;
+            g.idx[o][p % 64] = uint8_t(src & 127);
+            g.mask[o * (D / 32) + src / 128] |= uint64_t(1) << (p % 64);
+        }
+    return g;
+}
+template <int D>
+constexpr KeyGather<D> kKEY_GATHER = keyGather<D>();
+
+// Byte gather of the value digits (ng = 1, 2, 4 groups; gi): output byte 16 k + 4 tq + b = digit k of token
+// tok = 8 (b >> 1) + 2 tq + (b & 1) of group gi, i.e. byte k of digit word e = tok ng + gi: source byte
+// 4 e + k of the tile's ng digit vectors (bytes 48..63 are padding); bit 7 picks vectors 2, 3 (ng = 4).
+struct ValueGather
+{
+    std::array<uint8_t, 64> idx[7]; // [ng - 1 + gi]: ng 1 -> 0, ng 2 -> 1, 2, ng 4 -> 3..6
+    uint64_t hi[7];
+};
+constexpr ValueGather valueGather()
+{
+    ValueGather g{};
+    for (int ng = 1; ng <= 4; ng *= 2)
+        for (int gi = 0; gi < ng; ++gi)
+            for (int B = 0; B < 48; ++B)
+            {
+                const int k = B / 16, tq = B % 16 / 4, b = B % 4;
+                const int src = 4 * ((8 * (b >> 1) + 2 * tq + (b & 1)) * ng + gi) + k;
+                g.idx[ng - 1 + gi][B] = uint8_t(src & 127);
+                g.hi[ng - 1 + gi] |= uint64_t(src >= 128) << B;
+            }
+    return g;
+}
+constexpr ValueGather kVALUE_GATHER = valueGather();
+
+#endif
 
 struct S
 {
     static constexpr int W = 16;
     using F = __m512;
+#ifdef KIVI_AVX512_VNNI
+    static constexpr bool kDOT8 = true;
+#else
+    static constexpr bool kDOT8 = false;
+#endif
 
     static F zero() { return _mm512_setzero_ps(); }
     static F set1(float x) { return _mm512_set1_ps(x); }
@@ -88,10 +180,24 @@ struct S
         const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(127)), 23);
         return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
     }
-    // dst[c * 8 + r] = src[r * srcStride + c] for r, c in [0, 8) (kiviCpuTranspose.h).
+    // dst[c * 8 + r] = src[r * srcStride + c] for r, c in [0, 8): rows 2 i, 2 i + 1 in z[i] (source (r, c) at lane
+    // 8 (r % 2) + c of z[r / 2]); output columns 2 o, 2 o + 1 from two 2-source permutes (rows 0..3, 4..7) and a
+    // blend: 8 permutes + 4 inserts, half the shuffles of the 256-bit transpose (kiviCpuTranspose.h).
     __attribute__((always_inline)) static inline void transpose8(const int32_t* src, int srcStride, int32_t* dst)
     {
-        transposeWords8x8(src, srcStride, dst);
+        __m512i z[4];
+        for (int i = 0; i < 4; ++i)
+            z[i] = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * i * srcStride))),
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + (2 * i + 1) * srcStride)), 1);
+        for (int o = 0; o < 4; ++o)
+        {
+            // lane l = 8 e + r of output o: column 2 o + e, row r (r % 4 selects z[2 (r >= 4) + r % 4 / 2])
+            const __m512i idx = _mm512_add_epi32(_mm512_load_si512(kT8), _mm512_set1_epi32(2 * o));
+            const __m512i lo = _mm512_permutex2var_epi32(z[0], idx, z[1]);
+            const __m512i hi = _mm512_permutex2var_epi32(z[2], idx, z[3]);
+            _mm512_storeu_si512(dst + 16 * o, _mm512_mask_blend_epi32(0xF0F0, lo, hi));
+        }
     }
     // Lane i = p[i / ng] (ng = 1, 2, 4).
     static F spread(const float* p, int ng)
@@ -143,13 +249,239 @@ struct S
         const __m512i c = _mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32((1 << BITS) - 1));
         return _mm512_cvtepi32_ps(c);
     }
+
+#ifdef KIVI_AVX512_VNNI
+    // ---- 2-bit codes as integer dot products: vpdpbusd does 64 u8 x s8 products per instruction against fp32 FMA's
+    // 16, and 2-bit codes need no conversion to float. The codes are the u8 operand (one vpmultishiftqb + AND per 64);
+    // the other side, q * key scale (keys) or p * value scale (values), is fixed point in three signed base-256 digits
+    // broadcast from memory: x in [-F, F] -> n = round(x 2^22 / F) = d0 + 256 d1 + 65536 d2, the digits being the
+    // bytes of ((n + 0x808080) ^ 0x808080) (byte - 128 in two's complement). Step F 2^-22 against fp32's relative
+    // 2^-23 per term: for sums of D or 512 terms the rounding error is no larger than an fp32 FMA chain's.
+
+    static constexpr float kFIX = 4194304.0f; // 2^22: |n| <= 2^22 keeps n + 0x808080 in [0, 2^24)
+
+    static __m512i fixDigits(__m512 x, __m512 inv)
+    {
+        const __m512i bias = _mm512_set1_epi32(0x808080);
+        return _mm512_xor_si512(_mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x, inv)), bias), bias);
+    }
+
+    static __m512i codes2(__m512i ws, const std::array<uint8_t, 64>& sel)
+    {
+        return _mm512_and_si512(
+            _mm512_multishift_epi64_epi8(_mm512_loadu_si512(sel.data()), ws), _mm512_set1_epi8(3));
+    }
+
+    // Lane 4 i of the result: op-reduction of x[i] (i < 4), from 6 shuffles and 4 ops for all four.
+    template <class Op>
+    static __m128 reduce4(const __m512* x, Op op)
+    {
+        const __m512 s01 = op(_mm512_shuffle_f32x4(x[0], x[1], 0x44), _mm512_shuffle_f32x4(x[0], x[1], 0xEE));
+        const __m512 s23 = op(_mm512_shuffle_f32x4(x[2], x[3], 0x44), _mm512_shuffle_f32x4(x[2], x[3], 0xEE));
+        const __m512 t = op(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+        const __m512 u = op(t, _mm512_permute_ps(t, 0xB1));                                  // pairs
+        const __m512 v = op(u, _mm512_permute_ps(u, 0x4E));                                  // quads
+        return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+            0, 0, 0), v));
+    }
+
+    // Key preparation of NR <= 4 rows for one group (qf: rows' q / sqrt(D), stride D; ksc, kzr: the group's
+    // per-channel scales and zeros): cz[i] = sum_d qf kzr, and the digits of qs = qf * ksc for keyTileDot8:
+    // dig[i kDOT8_DIGITS D / 4 + k D / 4 + m] (dwords), rec[i] = F_i 2^-22 (F_i = max |qs_i|). False, and the fp32 path
+    // kept, when a row is not finite or an F too small to invert.
+    template <int D, int NR>
+    static bool keyPrep(const float* qf, const float* ksc, const float* kzr, int32_t* dig, float* rec, float* cz)
+    {
+        constexpr int NV = D / 16;
+        __m512 qs[NR][NV], z[4], mx[4];
+        __mmask16 bad = 0;
+        for (int i = 0; i < 4; ++i)
+            z[i] = mx[i] = _mm512_setzero_ps();
+        for (int i = 0; i < NR; ++i)
+            for (int n = 0; n < NV; ++n)
+            {
+                const __m512 q = _mm512_loadu_ps(qf + i * D + 16 * n);
+                qs[i][n] = _mm512_mul_ps(q, _mm512_loadu_ps(ksc + 16 * n));
+                z[i] = _mm512_fmadd_ps(q, _mm512_loadu_ps(kzr + 16 * n), z[i]);
+                const __m512 a = _mm512_abs_ps(qs[i][n]);
+                bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ); // inf or NaN
+                mx[i] = _mm512_max_ps(mx[i], a);
+            }
+        alignas(16) float f[4], inv[4], czv[4];
+        const __m128 fv = reduce4(mx, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
+        _mm_store_ps(f, fv);
+        _mm_store_ps(czv, reduce4(z, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
+        _mm_store_ps(inv, _mm_div_ps(_mm_set1_ps(kFIX), fv));
+        for (int i = 0; i < NR; ++i)
+        {
+            if (bad || (f[i] != 0.0f && f[i] < 1e-30f))
+                return false;
+            cz[i] = czv[i];
+            rec[i] = f[i] * (1.0f / kFIX);
+        }
+        const KeyGather<D>& g = kKEY_GATHER<D>;
+        for (int i = 0; i < NR; ++i)
+        {
+            const __m512 iv = _mm512_set1_ps(f[i] == 0.0f ? 0.0f : inv[i]);
+            __m512i w[NV];
+            for (int n = 0; n < NV; ++n)
+                w[n] = fixDigits(qs[i][n], iv);
+            for (int o = 0; o < kDOT8_DIGITS * D / 64; ++o)
+            {
+                const __m512i idx = _mm512_loadu_si512(g.idx[o].data());
+                __m512i r = _mm512_permutex2var_epi8(w[0], idx, w[1]);
+                for (int j = 1; j < D / 32; ++j)
+                    r = _mm512_mask_mov_epi8(r, g.mask[o * (D / 32) + j],
+                        _mm512_permutex2var_epi8(w[2 * j], idx, w[2 * j + 1]));
+                _mm512_storeu_si512(dig + i * kDOT8_DIGITS * D / 4 + 16 * o, r);
+            }
+        }
+        return true;
+    }
+
+    // Scores of NR rows over one transposed 16-token 2-bit key tile (Attn::transposeTile; lanes = tokens):
+    // acc[i][k] += codes . digit k, score = cz + rec (A0 + 256 A1 + 65536 A2) (exact in int32 for D <= 128).
+    // dig: row i's keyDigits at dig + i kDOT8_DIGITS D / 4.
+    template <int D, int NR>
+    static void keyTileDot8(const int32_t* tw, const int32_t* dig, const float* rec, const float* cz, float* scores,
+        int64_t stride)
+    {
+        constexpr int NW = D / 32;
+        __m512i acc[NR][kDOT8_DIGITS];
+        for (int i = 0; i < NR; ++i)
+            for (int k = 0; k < kDOT8_DIGITS; ++k)
+                acc[i][k] = _mm512_setzero_si512();
+        for (int tq = 0; tq < 4; ++tq)
+            for (int j = 0; j < NW; ++j)
+            {
+                const __m512i ws = loadWords(tw + 8 * (tq * NW + j));
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; ++h)
+                {
+                    const __m512i codes = codes2(ws, kKEY_SEL[h]);
+                    const int m = (tq * NW + j) * 2 + h;
+                    for (int i = 0; i < NR; ++i)
+                        for (int k = 0; k < kDOT8_DIGITS; ++k)
+                            acc[i][k] = _mm512_dpbusd_epi32(
+                                acc[i][k], codes, _mm512_set1_epi32(dig[(i * kDOT8_DIGITS + k) * (D / 4) + m]));
+                }
+            }
+        for (int i = 0; i < NR; ++i)
+        {
+            const __m512i n = _mm512_add_epi32(_mm512_add_epi32(acc[i][0], _mm512_slli_epi32(acc[i][1], 8)),
+                _mm512_slli_epi32(acc[i][2], 16));
+            _mm512_storeu_ps(scores + i * stride,
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(n), _mm512_set1_ps(rec[i]), _mm512_set1_ps(cz[i])));
+        }
+    }
+
+    // f[l % ng] = max(f[l % ng], scale) over n (a multiple of 16) value scales from entry idx (lane l: group l % ng);
+    // false if one is negative or not finite.
+    static bool maxNonNegative(const void* base, int64_t idx, int n, int32_t dtype, int ng, float* f)
+    {
+        __m512 mx = _mm512_setzero_ps();
+        __mmask16 bad = 0;
+        for (int e = 0; e < n; e += 16)
+        {
+            const __m512 x = loadAct(base, idx + e, dtype);
+            bad |= _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_NGE_UQ)   // negative or NaN
+                | _mm512_cmp_ps_mask(x, _mm512_set1_ps(FLT_MAX), _CMP_GT_OQ); // +inf
+            mx = _mm512_max_ps(mx, x);
+        }
+        alignas(64) float lanes[16];
+        _mm512_store_ps(lanes, mx);
+        for (int l = 0; l < 16; ++l)
+            f[l & (ng - 1)] = f[l & (ng - 1)] > lanes[l] ? f[l & (ng - 1)] : lanes[l];
+        return bad == 0;
+    }
+
+    // Digits of one row's staged coefficients (coef entry t ng + gi = p_t * scale) over nt tiles, n = round(coef *
+    // inv[gi]) (inv: 2^22 / F per group): dig[(gi kSPLIT_LEN / 16 + tile) 16 + 4 k + tq] (dwords), byte b = token
+    // 16 tile + 8 (b >> 1) + 2 tq + (b & 1). False if a coefficient is NaN.
+    static bool valueDigits(const float* coef, int ng, int nt, const float* inv, int32_t* dig)
+    {
+        alignas(64) float il[16];
+        for (int l = 0; l < 16; ++l)
+            il[l] = inv[l & (ng - 1)];
+        const __m512 iv = _mm512_load_ps(il);
+        __mmask16 bad = 0;
+        for (int tile = 0; tile < nt; ++tile)
+        {
+            __m512i w[4];
+            for (int v = 0; v < ng; ++v)
+            {
+                const __m512 x = _mm512_loadu_ps(coef + (int64_t(tile) * ng + v) * 16);
+                bad |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+                w[v] = fixDigits(x, iv);
+            }
+            for (int gi = 0; gi < ng; ++gi)
+            {
+                const __m512i idx = _mm512_loadu_si512(kVALUE_GATHER.idx[ng - 1 + gi].data());
+                __m512i r;
+                if (ng == 1)
+                    r = _mm512_permutexvar_epi8(idx, w[0]);
+                else
+                {
+                    r = _mm512_permutex2var_epi8(w[0], idx, w[1]);
+                    if (ng == 4)
+                        r = _mm512_mask_mov_epi8(r, kVALUE_GATHER.hi[ng - 1 + gi], _mm512_permutex2var_epi8(w[2], idx, w[3]));
+                }
+                _mm512_storeu_si512(dig + (gi * (kSPLIT_LEN / 16) + tile) * 16, r);
+            }
+        }
+        return bad == 0;
+    }
+
+    // acc[i][32 j + c] += rec sum_t coef_it code_tc over nt transposed 2-bit value tiles (consecutive, D words
+    // each) for channels [32 j, 32 j + 32): lanes = 16 channels, a lane's 4 bytes = tokens (2 tq, + 1, + 8, + 9)
+    // against their digits. dig[i]: row i's valueDigits of this channel group.
+    template <int D, int NR>
+    static void valueSpanDot8(const int32_t* tw, int nt, int j, const int32_t* const* dig, float rec, float* acc)
+    {
+        constexpr int NW = D / 32;
+        __m512i a[NR][2][kDOT8_DIGITS];
+        for (int i = 0; i < NR; ++i)
+            for (int q2 = 0; q2 < 2; ++q2)
+                for (int k = 0; k < kDOT8_DIGITS; ++k)
+                    a[i][q2][k] = _mm512_setzero_si512();
+        for (int tile = 0; tile < nt; ++tile, tw += D)
+            for (int tq = 0; tq < 4; ++tq)
+            {
+                const __m512i ws = loadWords(tw + 8 * (tq * NW + j));
+#pragma GCC unroll 2
+                for (int q2 = 0; q2 < 2; ++q2)
+                {
+                    const __m512i codes = codes2(ws, kVALUE_SEL[q2]);
+                    for (int i = 0; i < NR; ++i)
+                        for (int k = 0; k < kDOT8_DIGITS; ++k)
+                            a[i][q2][k] = _mm512_dpbusd_epi32(
+                                a[i][q2][k], codes, _mm512_set1_epi32(dig[i][16 * tile + 4 * k + tq]));
+                }
+            }
+        const __m512 r = _mm512_set1_ps(rec);
+        for (int i = 0; i < NR; ++i)
+            for (int q2 = 0; q2 < 2; ++q2)
+            {
+                // each digit sum is below 2^24 (512 tokens x 3 x 128): exact in fp32
+                const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i][q2][2]), _mm512_set1_ps(65536.0f),
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i][q2][1]), _mm512_set1_ps(256.0f),
+                        _mm512_cvtepi32_ps(a[i][q2][0])));
+                float* p = acc + i * D + 32 * j + 16 * q2;
+                _mm512_storeu_ps(p, _mm512_fmadd_ps(f, r, _mm512_loadu_ps(p)));
+            }
+    }
+#endif
 };
 
 #include "kiviCpuKernel.h"
 
-} // namespace avx512
+} // namespace KIVI_AVX512_NS
 
+#ifdef KIVI_AVX512_VNNI
+const IsaKernels kAvx512VnniKernels = {avx512vnni::kernel::attendItem, avx512vnni::kernel::mergeItem};
+#else
 const IsaKernels kAvx512Kernels = {avx512::kernel::attendItem, avx512::kernel::mergeItem};
+#endif
 
 } // namespace cpu
 } // namespace trtllm_kivi

@@ -12,6 +12,7 @@ namespace portable
 struct S
 {
     static constexpr int W = 8;
+    static constexpr bool kDOT8 = false; // no integer dot-product path (kiviCpuIsaAvx512.cpp, KIVI_AVX512_VNNI)
     struct F
     {
         float v[W];

@@ -85,6 +85,10 @@ struct Attn
         float* ksc;    // [D] per-channel key scale of the current group
         float* kzr;    // [D]
         int32_t* tw;   // [kSPLIT_LEN / 16 tiles][4 D] transposed fragment tiles (transposeTile)
+        int32_t* kdig; // [rows, kDOT8_DIGITS D / 4] key digits of the current group (S::keyDigits; kDOT8 only)
+        int32_t* vdig; // [rows, kDOT8_VALUE_DWORDS] value digits of the split (S::valueDigits)
+        float* krec;   // [rows] key digits' scales
+        float* vfix;   // [8] value digits' scales (4 groups), then their inverses: shared by the rows
     };
 
     static Scratch carve(float* base, int rows)
@@ -103,6 +107,10 @@ struct Attn
         s.ksc = s.kdeq + 4 * kSCORE_STRIDE;
         s.kzr = s.ksc + D;
         s.tw = reinterpret_cast<int32_t*>(s.kzr + D + 16);
+        s.kdig = s.tw + (kSPLIT_LEN / 16) * 4 * D;
+        s.vdig = s.kdig + rows * kDOT8_DIGITS * D / 4;
+        s.krec = reinterpret_cast<float*>(s.vdig + int64_t(rows) * kDOT8_VALUE_DWORDS);
+        s.vfix = s.krec + rows;
         return s;
     }
 
@@ -204,6 +212,104 @@ struct Attn
             __builtin_prefetch(w + i, 0, 2);
     }
 
+    // kDOT8 paths (S's integer dot products; X defers the lookup of S's members to instantiation, which only the
+    // ISAs with kDOT8 reach).
+    template <class X = S>
+    static bool keyPrepRows(int rows, Scratch& s)
+    {
+        for (int r0 = 0; r0 < rows; r0 += 4)
+        {
+            const float* qf = s.qf + r0 * D;
+            int32_t* dig = s.kdig + r0 * kDOT8_DIGITS * D / 4;
+            bool ok;
+            switch (imin(4, rows - r0))
+            {
+            case 1: ok = X::template keyPrep<D, 1>(qf, s.ksc, s.kzr, dig, s.krec + r0, s.cz + r0); break;
+            case 2: ok = X::template keyPrep<D, 2>(qf, s.ksc, s.kzr, dig, s.krec + r0, s.cz + r0); break;
+            case 3: ok = X::template keyPrep<D, 3>(qf, s.ksc, s.kzr, dig, s.krec + r0, s.cz + r0); break;
+            default: ok = X::template keyPrep<D, 4>(qf, s.ksc, s.kzr, dig, s.krec + r0, s.cz + r0); break;
+            }
+            if (!ok)
+                return false;
+        }
+        return true;
+    }
+
+    template <int NR, class X = S>
+    static void keyTileDot8(const int32_t* tw, const Scratch& s, int r0, float* sc)
+    {
+        X::template keyTileDot8<D, NR>(tw, s.kdig + r0 * kDOT8_DIGITS * D / 4, s.krec + r0, s.cz + r0, sc,
+            scoreStride());
+    }
+
+    // Value digits' fixed-point scale per group, F = the largest value scale of the split's quantized tokens (p <= 1,
+    // so F bounds every p_t * scale; the error bound stays relative to max |v|, as the tolerance is): s.vfix[gi] = F
+    // 2^-22, s.vfix[4 + gi] = 2^22 / F. False (the fp32 path) for a negative or non-finite scale or a tiny F.
+    template <class X = S>
+    static bool valueDigitScales(const Ctx& c, const SeqPlan& sp, int g, int qa, int qend, Scratch& s)
+    {
+        const int ng = D / c.Gv;
+        float f[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int t = qa; t < qend;)
+        {
+            const int jq = t - sp.sink;
+            const int t1 = imin(qend, t + (c.BS - jq % c.BS));
+            const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + jq / c.BS];
+            const int64_t idx = ((int64_t(blk) * c.Hkv + g) * c.BS + jq % c.BS) * ng;
+            if (!X::maxNonNegative(c.vScale, idx, (t1 - t) * ng, c.scaleDtype, ng, f))
+                return false;
+            t = t1;
+        }
+        for (int gi = 0; gi < ng; ++gi)
+        {
+            if (f[gi] != 0.0f && f[gi] < 1e-30f)
+                return false;
+            s.vfix[gi] = f[gi] * (1.0f / X::kFIX);
+            s.vfix[4 + gi] = f[gi] == 0.0f ? 0.0f : X::kFIX / f[gi];
+        }
+        return true;
+    }
+
+    // acc += coef_t * code_t over the staged 2-bit span [qa, qend) as valuesAccumulate, from the digits valuesStage
+    // wrote (valueDigitScales was true).
+    template <class X = S>
+    static void valuesAccumulateDot8(const Ctx& c, int rows, int qa, int qend, Scratch& s)
+    {
+        const int nt = (qend - qa) / 16;
+        for (int j = 0; j < D / 32; ++j)
+        {
+            const int gi = 32 * j / c.Gv; // Gv >= 32: channels [32 j, 32 j + 32) lie in one value group
+            for (int r0 = 0; r0 < rows; r0 += 4)
+            {
+                const int32_t* dig[4];
+                const int nr = imin(4, rows - r0);
+                for (int i = 0; i < nr; ++i)
+                    dig[i] = s.vdig + (r0 + i) * kDOT8_VALUE_DWORDS + gi * (kSPLIT_LEN / 16) * 16;
+                float* acc = s.acc + r0 * D;
+                const float rec = s.vfix[gi];
+                switch (nr)
+                {
+                case 1: X::template valueSpanDot8<D, 1>(s.tw, nt, j, dig, rec, acc); break;
+                case 2: X::template valueSpanDot8<D, 2>(s.tw, nt, j, dig, rec, acc); break;
+                case 3: X::template valueSpanDot8<D, 3>(s.tw, nt, j, dig, rec, acc); break;
+                default: X::template valueSpanDot8<D, 4>(s.tw, nt, j, dig, rec, acc); break;
+                }
+            }
+        }
+    }
+
+    // The digits of rows' staged coefficients of tiles [t0, t1) (one block; valuesStage); false if one is NaN.
+    template <class X = S>
+    static bool valueDigitRows(int rows, int ng, int qa, int t0, int t1, Scratch& s)
+    {
+        bool ok = true;
+        const int64_t cs = int64_t(ng) * scoreStride();
+        for (int row = 0; row < rows; ++row)
+            ok &= X::valueDigits(s.coef + row * cs + (t0 - qa) * ng, ng, (t1 - t0) / 16, s.vfix + 4,
+                s.vdig + row * kDOT8_VALUE_DWORDS + (t0 - qa) / 16 * 16);
+        return ok;
+    }
+
     // Scores of per-channel quantized keys [t0, t0 + G) (positions; one group at row r of physical block blk) for
     // all rows; the next group (row r + G, or row 0 of block nextBlk if >= 0) is prefetched.
     template <int BITS>
@@ -227,10 +333,13 @@ struct Attn
             S::store(ksc + n * W, S::loadAct(kScale, sOff + n * W, sDtype));
             S::store(kzr + n * W, S::loadAct(kZero, sOff + n * W, sDtype));
         }
+        bool dot8 = false; // integer dot products (S::kDOT8, 2-bit keys) unless a row is not finite
+        if constexpr (S::kDOT8 && BITS == 2)
+            dot8 = keyPrepRows(rows, s);
         const float* const qf = s.qf;
         float* const qsAll = s.qs;
         float* const czAll = s.cz;
-        for (int row = 0; row < rows; ++row)
+        for (int row = 0; row < rows && !dot8; ++row)
         {
             const float* q = qf + row * D;
             float* qs = qsAll + row * D;
@@ -253,6 +362,18 @@ struct Attn
                 const float* qs = s.qs + r0 * D;
                 const float* cz = s.cz + r0;
                 float* sc = s.scores + int64_t(r0) * scoreStride() + (t1 - a);
+                if constexpr (S::kDOT8 && BITS == 2)
+                    if (dot8)
+                    {
+                        switch (imin(RB, rows - r0))
+                        {
+                        case 1: keyTileDot8<1>(tw, s, r0, sc); break;
+                        case 2: keyTileDot8<2>(tw, s, r0, sc); break;
+                        case 3: keyTileDot8<3>(tw, s, r0, sc); break;
+                        default: keyTileDot8<4>(tw, s, r0, sc); break;
+                        }
+                        continue;
+                    }
                 switch (imin(RB, rows - r0))
                 {
                 case 1: keyTile<BITS, 1>(tw, qs, cz, sc); break;
@@ -470,8 +591,10 @@ struct Attn
     // Stage per-token quantized values t in [t0, t1) (whole tiles of one block) of the span starting at qa:
     // coef = p_t * scale per token and group, zacc += sum_t p_t * zero per group (added once at the end of the split),
     // and the transposed tiles. Every store byte of the values is read here (valuesAccumulate reads scratch only).
+    // dot8 (S::kDOT8, valueDigitScales true): also the rows' digits; returns false if a coefficient is NaN.
     template <int BITS>
-    static void valuesStage(const Ctx& c, const SeqPlan& sp, int g, int rows, int qa, int t0, int t1, int a, Scratch& s)
+    static bool valuesStage(const Ctx& c, const SeqPlan& sp, int g, int rows, int qa, int t0, int t1, int a, Scratch& s,
+        bool dot8)
     {
         const int ng = D / c.Gv;
         const int jq = t0 - sp.sink; // store index; [t0, t1) lies in one block
@@ -499,6 +622,10 @@ struct Attn
                 __builtin_prefetch(reinterpret_cast<const char*>(words + 4 * TILE_WORDS) + i, 0, 2);
             transposeTile<BITS>(words, s.tw + int64_t(t - qa) / 16 * TILE_WORDS);
         }
+        if constexpr (S::kDOT8 && BITS == 2)
+            if (dot8)
+                return valueDigitRows(rows, ng, qa, t0, t1, s);
+        return true;
     }
 
     // acc += coef_t * code_t over the staged span [qa, qend) (valuesStage; the zero terms are in zacc). Reads scratch only.
@@ -646,24 +773,37 @@ struct Attn
         // 3. acc = sum_t p_t v_t
         if (qa < qend)
         {
+            // integer dot products for 2-bit values (S::kDOT8) per head, unless its scales or p do not allow them
+            bool dot8[kMAX_HEADS_PER_PASS] = {};
+            if constexpr (S::kDOT8)
+                if (c.vBits == 2)
+                    for (int g = g0; g < g1; ++g)
+                        dot8[g - g0] = valueDigitScales(c, sp, g, qa, qend, hs[g - g0]);
             for (int t = qa; t < qend; t = blockEnd(t))
                 for (int g = g0; g < g1; ++g)
                 {
+                    bool& d8 = dot8[g - g0];
                     switch (c.vBits)
                     {
-                    case 2: valuesStage<2>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0]); break;
-                    case 4: valuesStage<4>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0]); break;
-                    default: valuesStage<8>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0]); break;
+                    case 2: d8 = valuesStage<2>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0], d8) && d8; break;
+                    case 4: valuesStage<4>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0], false); break;
+                    default: valuesStage<8>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0], false); break;
                     }
                 }
             for (int g = g0; g < g1; ++g)
             {
                 Scratch& s = hs[g - g0];
-                switch (c.vBits)
+                if constexpr (S::kDOT8)
+                    if (dot8[g - g0])
+                        valuesAccumulateDot8(c, rows, qa, qend, s);
+                if (!dot8[g - g0])
                 {
-                case 2: valuesAccumulate<2>(c, rows, qa, qend, s); break;
-                case 4: valuesAccumulate<4>(c, rows, qa, qend, s); break;
-                default: valuesAccumulate<8>(c, rows, qa, qend, s); break;
+                    switch (c.vBits)
+                    {
+                    case 2: valuesAccumulate<2>(c, rows, qa, qend, s); break;
+                    case 4: valuesAccumulate<4>(c, rows, qa, qend, s); break;
+                    default: valuesAccumulate<8>(c, rows, qa, qend, s); break;
+                    }
                 }
                 for (int row = 0; row < rows; ++row)
                     for (int n = 0; n < NV; ++n) // Gv >= 32 >= W: a vector lies in one value group

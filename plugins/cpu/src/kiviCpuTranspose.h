@@ -1,6 +1,5 @@
-// The 8 x 8 word transpose the AVX2 and AVX-512 paths share (AVX instructions only). Included by each ISA's
-// translation unit, compiled with that unit's flags; `static` keeps one copy per unit, so the linker never hands
-// the AVX2 path a copy compiled for AVX-512.
+// The 8 x 8 word transpose of the AVX2 path (AVX instructions only; the AVX-512 path has its own, S::transpose8).
+// `static` keeps one copy per translation unit, compiled with that unit's flags.
 #pragma once
 #include <cstdint>
 #include <immintrin.h>
