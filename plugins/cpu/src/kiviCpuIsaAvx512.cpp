@@ -341,7 +341,7 @@ struct S
 
     // Scores of NR rows over one transposed 16-token 2-bit key tile (Attn::transposeTile; lanes = tokens):
     // acc[i][k] += codes . digit k, score = cz + rec (A0 + 256 A1 + 65536 A2) (exact in int32 for D <= 128).
-    // dig: row i's keyDigits at dig + i kDOT8_DIGITS D / 4.
+    // dig: row i's digits (keyPrep) at dig + i kDOT8_DIGITS D / 4.
     template <int D, int NR>
     static void keyTileDot8(const int32_t* tw, const int32_t* dig, const float* rec, const float* cz, float* scores,
         int64_t stride)

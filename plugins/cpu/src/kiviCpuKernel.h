@@ -85,7 +85,7 @@ struct Attn
         float* ksc;    // [D] per-channel key scale of the current group
         float* kzr;    // [D]
         int32_t* tw;   // [kSPLIT_LEN / 16 tiles][4 D] transposed fragment tiles (transposeTile)
-        int32_t* kdig; // [rows, kDOT8_DIGITS D / 4] key digits of the current group (S::keyDigits; kDOT8 only)
+        int32_t* kdig; // [rows, kDOT8_DIGITS D / 4] key digits of the current group (S::keyPrep; kDOT8 only)
         int32_t* vdig; // [rows, kDOT8_VALUE_DWORDS] value digits of the split (S::valueDigits)
         float* krec;   // [rows] key digits' scales
         float* vfix;   // [8] value digits' scales (4 groups), then their inverses: shared by the rows
