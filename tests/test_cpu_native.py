@@ -161,6 +161,35 @@ def test_special_groups_bit_exact(isa) -> None:
 
 
 @needs_layout
+@pytest.mark.parametrize("case", ["nan_query", "negative_value_scales", "tiny_key_scales", "tiny_value_scales"])
+def test_dot_product_fallbacks(case, isa) -> None:
+    """Inputs avx512vnni's integer dot products cannot take go to its fp32 path (per key group / per split and head):
+    a NaN query head, negative value scales, scales so small (< 1e-30) that the fixed-point step would underflow.
+    On every path the result must still match the reference, with the NaN in exactly the head it came from."""
+    cfg = KiviConfig(scale_dtype="float32")  # fp16 scales cannot be that small
+    run = Run(cfg, 6, 2, 64, torch.float32, slots=2, seed=13)
+    run.step([0, 1], [700, 300], isa=isa)  # quantized history over two key splits
+    for bufs in (run.ref, run.nat):  # the same change on both sides (the stores stay equal)
+        if case == "negative_value_scales":
+            bufs.v_scale.view(-1)[::3].neg_()
+        elif case == "tiny_key_scales":
+            bufs.k_scale.mul_(1e-33)
+        elif case == "tiny_value_scales":
+            bufs.v_scale.mul_(1e-32)
+    for chunks in ([1, 1], [1, 1]):
+        q, k, v = run.inputs(chunks)
+        if case == "nan_query":
+            q[0, 3, 5] = float("nan")  # sequence 0, head 3 (KV head 1)
+        out_ref, out_nat, v = run.step([0, 1], chunks, isa=isa, qkv=(q, k, v))
+        run.assert_stores_equal()
+        nan = out_ref.isnan()
+        assert torch.equal(nan, out_nat.isnan())
+        assert bool(nan.any()) == (case == "nan_query") and bool(nan[0, 3].all()) == (case == "nan_query")
+        err = float((out_ref - out_nat)[~nan].abs().max())
+        assert err <= _tol(torch.float32, v), f"{case}: max |native - reference| = {err}"
+
+
+@needs_layout
 def test_thread_count_invariance(isa) -> None:
     """Split points are fixed: any thread count gives the same bits (outputs and stores)."""
     cfg = KiviConfig()
