@@ -41,6 +41,15 @@ from trtllm_kivi.reference.attention import KiviBuffers  # noqa: E402
 GEOMETRIES = {"smollm2-135m": (30, 9, 3, 64, 30), "llama3-8b": (32, 32, 8, 128, 8)}
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; platform.processor() is empty on Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown")
+    except OSError:
+        return platform.processor() or "unknown"
+
+
 def read_bandwidth(threads: int, gib: float = 1.0, reps: int = 5) -> float:
     x = torch.ones(int(gib * 2 ** 30 / 4), dtype=torch.float32)
     torch.set_num_threads(threads)
@@ -201,7 +210,7 @@ def main() -> int:
     result = {
         "benchmark": "cpu_attention_op", "op": "decode attention (phase=attention), KIVI-2 (k2v2 G32 R128 block 128, "
         "fp16 scales, fp32 window) vs FP16 dense cache, both native (plugins/cpu)",
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+        "machine": {"platform": platform.platform(), "processor": cpu_model(),
                     "cpu_isa": lib.resolve_isa("auto"), "python": sys.version.split()[0],
                     "torch": torch.__version__,
                     "load_average_1m_at_start": round(os.getloadavg()[0], 2),
