@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash build_scripts/install.sh --test
-bash build_scripts/build_cpu_kernels.sh --jobs 2  # CI tests the native CPU kernels: a build failure fails here
+bash build_scripts/build_cpu_kernels.sh --jobs 2 --bench  # CI tests the native CPU kernels (and compiles the inner-loop microbenchmark): a build failure fails here
 bash build_scripts/build_plugin.sh --arch "${KIVI_CUDA_ARCHS:-90}" --jobs 2
 # the static SASS performance model of the decode and append kernels (sm_90 + sm_80 cubins; benchmarks/kernel_model.md).
 # It fails the run when the default decode kernel is predicted issue- or shared-memory-bound at Llama-3-8B, batch 8,

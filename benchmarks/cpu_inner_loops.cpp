@@ -1,0 +1,120 @@
+// How close the AVX2 path's two inner loops (plugins/cpu/src/kiviCpuKernel.h) come to the core's FMA peak: the
+// quantized-key scores of one 16-token tile (keyTile<2, NR>) and the 2-bit value accumulation over it (valueBlock, every
+// 32-channel block, the op's row blocks), on L1-resident scratch as the op stages it, for the decode rows of a GQA group
+// (SmolLM2: D 64, 3 rows; Llama-3-8B: D 128, 4 rows). Both loops do NR D 16 / 8 fp32 FMAs per tile; the floor assumes
+// two 8-wide FMAs per cycle (Zen 3, Intel since Haswell). The core clock is measured in the same run by a dependent
+// add chain (1 cycle per add). Prints JSON (benchmarks/results/cpu_inner_loops_avx2.json):
+//
+//   bash build_scripts/build_cpu_kernels.sh --bench && build/cpu/kivi_cpu_inner_loops
+#include "kiviCpuIsaAvx2.cpp"
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+using namespace trtllm_kivi::cpu::avx2::kernel;
+
+template <class Fn>
+static double bestSeconds(Fn fn)
+{
+    double best = 1e30;
+    for (int rep = 0; rep < 7; ++rep)
+    {
+        const auto t0 = std::chrono::steady_clock::now();
+        fn();
+        best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return best;
+}
+
+static double clockGhz()
+{
+    const long n = 400000000;
+    const double s = bestSeconds([&] {
+        long x = 0;
+        for (long i = 0; i < n; ++i)
+            asm volatile("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0" : "+r"(x));
+    });
+    return 4.0 * n / s / 1e9;
+}
+
+// Cycles per 16-token tile of keyTile and of valueBlock over all D / 32 channel blocks (a 512-token split of tiles).
+template <int D, int NR>
+static void measure(double ghz, bool last)
+{
+    constexpr int TILE_WORDS = 16 * D * 2 / 32, NT = trtllm_kivi::cpu::kSPLIT_LEN / 16, NG = D / 32;
+    using A = Attn<D>;
+    std::vector<int32_t> tw(NT * TILE_WORDS);
+    std::vector<float> qs(NR * D), cz(NR), scores(NR * A::scoreStride()), acc(NR * D, 0.0f);
+    std::vector<float> coef(static_cast<size_t>(NR * NG) * A::scoreStride());
+    for (auto& x : tw)
+        x = std::rand();
+    for (auto& x : qs)
+        x = std::rand() / float(RAND_MAX);
+    for (auto& x : coef)
+        x = std::rand() / float(RAND_MAX) * 1e-3f;
+    const int reps = 4000;
+    const double keys = bestSeconds([&] {
+        for (int r = 0; r < reps; ++r)
+            for (int t = 0; t < NT; ++t)
+            {
+                A::template keyTile<2, NR>(tw.data() + t * TILE_WORDS, qs.data(), cz.data(), scores.data() + 16 * t);
+                asm volatile("" ::: "memory");
+            }
+    });
+    const int64_t cs = int64_t(NG) * A::scoreStride();
+    const double values = bestSeconds([&] {
+        for (int r = 0; r < reps; ++r)
+        {
+            for (int k = 0; k < D / 32; ++k) // Gv 32: block k is value group k; row blocks as valuesAccumulate's
+                for (int r0 = 0, nr; r0 < NR; r0 += nr)
+                {
+                    const float* cf = coef.data() + r0 * cs + k;
+                    float* ac = acc.data() + r0 * D;
+                    switch (nr = NR - r0 < A::QRB ? NR - r0 : A::QRB)
+                    {
+                    case 1: A::template valueBlock<2, 1>(tw.data(), 0, 16 * NT, k, cf, NG, cs, ac); break;
+                    case 2: A::template valueBlock<2, 2>(tw.data(), 0, 16 * NT, k, cf, NG, cs, ac); break;
+                    default: A::template valueBlock<2, 3>(tw.data(), 0, 16 * NT, k, cf, NG, cs, ac); break;
+                    }
+                }
+            asm volatile("" ::: "memory");
+        }
+    });
+    const double floor = NR * D * 16 / 8 / 2.0, tiles = double(reps) * NT;
+    const double kc = keys / tiles * ghz * 1e9, vc = values / tiles * ghz * 1e9;
+    std::printf("  {\"head_dim\": %d, \"rows\": %d, \"fma_floor_cycles_per_tile\": %.0f,\n", D, NR, floor);
+    std::printf("   \"keyTile_cycles_per_tile\": %.1f, \"keyTile_over_floor\": %.2f,\n", kc, kc / floor);
+    std::printf("   \"valueBlock_cycles_per_tile\": %.1f, \"valueBlock_over_floor\": %.2f}%s\n", vc, vc / floor,
+        last ? "" : ",");
+}
+
+static std::string cpuModel()
+{
+    std::ifstream f("/proc/cpuinfo");
+    for (std::string line; std::getline(f, line);)
+        if (line.rfind("model name", 0) == 0)
+            return line.substr(line.find(':') + 2);
+    return "unknown";
+}
+
+int main()
+{
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
+    {
+        std::fprintf(stderr, "cpu_inner_loops: this CPU has no AVX2 + FMA\n");
+        return 1;
+    }
+    const double ghz = clockGhz();
+    std::printf("{\"benchmark\": \"cpu_inner_loops\", \"path\": \"avx2\", \"cpu_model\": \"%s\", \"compiler\": \"g++ %s\",\n",
+        cpuModel().c_str(), __VERSION__);
+    std::printf(" \"core_clock_ghz_measured\": %.2f,\n", ghz);
+    std::printf(" \"unit\": \"core cycles per 16-token tile, L1-resident, 1 thread, best of 7\",\n \"shapes\": [\n");
+    measure<64, 3>(ghz, false);
+    measure<128, 4>(ghz, true);
+    std::printf(" ]}\n");
+    return 0;
+}
