@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from trtllm_kivi import cpu as native  # noqa: E402
+from trtllm_kivi.bench import cpu_model  # noqa: E402
 from trtllm_kivi.cpu import _abi  # noqa: E402
 from trtllm_kivi.cpu.ops import full_attention_cpu_, kivi_attention_cpu_  # noqa: E402
 from trtllm_kivi.format import KiviConfig  # noqa: E402
@@ -39,15 +40,6 @@ from trtllm_kivi.reference.attention import KiviBuffers  # noqa: E402
 # 8 GiB (too much for a shared 23 GiB machine); 8 of its layers (2.0 GiB FP16, 0.45 GiB KIVI-2) are already
 # > 14x the 32 MiB L3.
 GEOMETRIES = {"smollm2-135m": (30, 9, 3, 64, 30), "llama3-8b": (32, 32, 8, 128, 8)}
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo; platform.processor() is empty on Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown")
-    except OSError:
-        return platform.processor() or "unknown"
 
 
 def read_bandwidth(threads: int, gib: float = 1.0, reps: int = 5) -> float:

@@ -116,13 +116,9 @@ def _prepare(args: argparse.Namespace) -> int:
 def _machine() -> dict:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:  # the CPU model (Linux)
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"platform": platform.platform(), "processor": cpu,
+    from ..bench import cpu_model
+
+    return {"platform": platform.platform(), "processor": cpu_model(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
