@@ -29,7 +29,7 @@ from trtllm_kivi.cpu.ops import full_attention_cpu_, kivi_attention_cpu_, kivi_l
 needs_layout = pytest.mark.skipif(kivi_layout_mismatch() is not None, reason=str(kivi_layout_mismatch()))
 
 LIB = native.load_library()
-ISAS = ["portable", "avx2", "avx512", "avx512vnni"]
+ISAS = ["portable", "avx2", "avx2denormal", "avx512", "avx512vnni"]
 
 
 def _isa(name: str) -> str:
@@ -161,11 +161,14 @@ def test_special_groups_bit_exact(isa) -> None:
 
 
 @needs_layout
-@pytest.mark.parametrize("case", ["nan_query", "negative_value_scales", "tiny_key_scales", "tiny_value_scales"])
+@pytest.mark.parametrize("case", ["nan_query", "negative_value_scales", "tiny_key_scales", "tiny_value_scales",
+                                  "huge_key_scales", "huge_value_scales"])
 def test_dot_product_fallbacks(case, isa) -> None:
     """Inputs avx512vnni's integer dot products cannot take go to its fp32 path (per key group / per split and head):
     a NaN query head, negative value scales, scales so small (< 1e-30) that the fixed-point step would underflow.
-    On every path the result must still match the reference, with the NaN in exactly the head it came from."""
+    avx2denormal's subnormal decode takes the fp32 path for |q * key scale| or |value scale| >= 2^27 (huge_*: its
+    operands carry 2^100). On every path the result must still match the reference, with the NaN in exactly the
+    head it came from."""
     cfg = KiviConfig(scale_dtype="float32")  # fp16 scales cannot be that small
     run = Run(cfg, 6, 2, 64, torch.float32, slots=2, seed=13)
     run.step([0, 1], [700, 300], isa=isa)  # quantized history over two key splits
@@ -176,6 +179,11 @@ def test_dot_product_fallbacks(case, isa) -> None:
             bufs.k_scale.mul_(1e-33)
         elif case == "tiny_value_scales":
             bufs.v_scale.mul_(1e-32)
+        elif case == "huge_key_scales":
+            bufs.k_scale.view(-1)[::5].mul_(1e9)
+        elif case == "huge_value_scales":
+            bufs.v_scale.view(-1)[::5].mul_(1e9)
+    scale = 1e9 if case == "huge_value_scales" else 1.0  # the history's |v|: the tolerance is relative to it
     for chunks in ([1, 1], [1, 1]):
         q, k, v = run.inputs(chunks)
         if case == "nan_query":
@@ -186,7 +194,28 @@ def test_dot_product_fallbacks(case, isa) -> None:
         assert torch.equal(nan, out_nat.isnan())
         assert bool(nan.any()) == (case == "nan_query") and bool(nan[0, 3].all()) == (case == "nan_query")
         err = float((out_ref - out_nat)[~nan].abs().max())
-        assert err <= _tol(torch.float32, v), f"{case}: max |native - reference| = {err}"
+        assert err <= scale * _tol(torch.float32, v), f"{case}: max |native - reference| = {err}"
+
+
+@needs_layout
+def test_flush_denormal_mode_changes_nothing(isa) -> None:
+    """torch.set_flush_denormal(True) sets DAZ/FTZ on the calling thread; avx2denormal's codes are subnormal floats,
+    so the kernel clears DAZ for its work and restores MXCSR: the same bits with and without, on the caller (1 thread)
+    and on the pool (2 threads), and the caller's mode is left as it was."""
+    cfg = KiviConfig()
+    runs = {(mode, t): Run(cfg, 6, 2, 64, torch.float32, slots=2, seed=5) for mode in ("plain", "flush") for t in (1, 2)}
+    for chunks in ([700, 300], [1, 1], [1, 1]):
+        qkv = runs["plain", 1].inputs(chunks)
+        for threads in (1, 2):
+            out_plain = runs["plain", threads].step([0, 1], chunks, isa=isa, threads=threads, qkv=qkv)[1]
+            if not torch.set_flush_denormal(True):
+                pytest.skip("this CPU has no flush-denormal mode (DAZ)")
+            try:
+                out_flush = runs["flush", threads].step([0, 1], chunks, isa=isa, threads=threads, qkv=qkv)[1]
+                assert torch.tensor([1e-40]).mul(1.0).item() == 0.0  # the caller still flushes after the op
+            finally:
+                torch.set_flush_denormal(False)
+            assert torch.equal(out_plain, out_flush), f"threads={threads}: {(out_plain - out_flush).abs().max()}"
 
 
 @needs_layout
@@ -332,6 +361,6 @@ def test_unsupported_geometry_and_isa() -> None:
 def test_library_metadata() -> None:
     from trtllm_kivi.cpu.ops import CODE_LAYOUT_VERSION
     assert LIB.format_version() == CODE_LAYOUT_VERSION  # the code layout it implements (kivi_layout_mismatch)
-    assert LIB.resolve_isa("auto") in ("portable", "avx2", "avx512", "avx512vnni")
+    assert LIB.resolve_isa("auto") in ("portable", "avx2", "avx2denormal", "avx512", "avx512vnni")
     assert LIB.isa_supported("portable")
     assert LIB.split_len() % 128 == 0 and math.gcd(LIB.split_len(), 512) == 512

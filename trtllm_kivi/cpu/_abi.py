@@ -16,7 +16,7 @@ LIB_ENV = "TRTLLM_KIVI_CPU_LIB"
 DEFAULT_BUILD_DIR = REPO_ROOT / "build" / "cpu"
 
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
-ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512vnni": 4}
+ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512vnni": 4, "avx2denormal": 5}
 ISA_NAMES = {v: k for k, v in ISA_CODES.items()}
 PHASE_ATTENTION, PHASE_APPEND, PHASE_STEP = 1, 2, 3
 STATUS_INVALID_VALUE, STATUS_UNSUPPORTED_ISA = 1, 2

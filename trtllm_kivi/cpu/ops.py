@@ -129,7 +129,8 @@ def kivi_attention_cpu_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_
     """Native CPU form of reference.kivi_attention_: updates `buffers` in place, returns out [tokens, H, D].
     Refused (ValueError) while the native code layout differs from FORMAT_VERSION (kivi_layout_mismatch).
 
-    isa: "auto" (best the CPU has; $TRTLLM_KIVI_CPU_ISA overrides), "portable", "avx2", "avx512" or "avx512vnni" (forced; an
+    isa: "auto" (best the CPU has; $TRTLLM_KIVI_CPU_ISA overrides), "portable", "avx2", "avx2denormal" (AVX2 with 2-bit
+    codes decoded as subnormal floats: auto's pick on AMD without AVX-512), "avx512" or "avx512vnni" (forced; an
     unsupported one raises ValueError). threads: worker threads (default torch.get_num_threads(); results are
     bit-identical for any value). phase: _abi.PHASE_STEP (attend, then append), PHASE_ATTENTION or PHASE_APPEND.
     check=False skips the Python checks of the cache buffers (devices, dtypes, shapes: a caller that allocated them

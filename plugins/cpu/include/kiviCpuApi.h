@@ -17,14 +17,17 @@ extern "C" {
 // Activation / scale / cache dtype codes (same order as format.SUPPORTED_SCALE_DTYPES).
 enum KiviCpuDtype { kiviCpuFloat16 = 0, kiviCpuBfloat16 = 1, kiviCpuFloat32 = 2 };
 // Instruction-set path: auto picks the best the CPU supports; a forced path the CPU lacks is an error. avx512vnni is
-// avx512 plus VNNI and VBMI (integer dot products for 2-bit codes).
+// avx512 plus VNNI and VBMI (integer dot products for 2-bit codes). avx2denormal is avx2 with 2-bit codes decoded as
+// subnormal floats (one AND per 8 codes): auto picks it on AMD CPUs without AVX-512; it runs on any AVX2 CPU, slowly
+// on Intel (subnormal operands take a microcode assist there).
 enum KiviCpuIsa
 {
     kiviCpuIsaAuto = 0,
     kiviCpuIsaPortable = 1,
     kiviCpuIsaAvx2 = 2,
     kiviCpuIsaAvx512 = 3,
-    kiviCpuIsaAvx512Vnni = 4
+    kiviCpuIsaAvx512Vnni = 4,
+    kiviCpuIsaAvx2Denormal = 5
 };
 // What a step runs: attend then append (the op), attention only, or append only.
 enum KiviCpuPhase { kiviCpuPhaseStep = 3, kiviCpuPhaseAttention = 1, kiviCpuPhaseAppend = 2 };
@@ -87,7 +90,7 @@ KIVI_CPU_API size_t kiviCpuParamsSize(void);
 KIVI_CPU_API size_t kiviCpuDenseParamsSize(void);
 // 1 when the path is compiled in and the CPU supports it (kiviCpuIsaAuto: always 1).
 KIVI_CPU_API int32_t kiviCpuIsaSupported(int32_t isa);
-// The path kiviCpuIsaAuto resolves to (honours $TRTLLM_KIVI_CPU_ISA = portable|avx2|avx512|avx512vnni).
+// The path kiviCpuIsaAuto resolves to (honours $TRTLLM_KIVI_CPU_ISA = portable|avx2|avx2denormal|avx512|avx512vnni).
 KIVI_CPU_API int32_t kiviCpuResolveIsa(int32_t isa);
 // Keys per split of the log-sum-exp merge (fixed: results do not depend on threads or batch).
 KIVI_CPU_API int32_t kiviCpuSplitLen(void);

@@ -39,7 +39,7 @@ bool cpuHas(int32_t isa)
 {
 #if defined(KIVI_CPU_HAVE_X86)
     __builtin_cpu_init();
-    if (isa == kiviCpuIsaAvx2)
+    if (isa == kiviCpuIsaAvx2 || isa == kiviCpuIsaAvx2Denormal)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     if (isa == kiviCpuIsaAvx512)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
@@ -61,6 +61,8 @@ int32_t envIsa()
         return kiviCpuIsaPortable;
     if (std::strcmp(e, "avx2") == 0)
         return kiviCpuIsaAvx2;
+    if (std::strcmp(e, "avx2denormal") == 0)
+        return kiviCpuIsaAvx2Denormal;
     if (std::strcmp(e, "avx512") == 0)
         return kiviCpuIsaAvx512;
     if (std::strcmp(e, "avx512vnni") == 0)
@@ -74,9 +76,14 @@ int32_t resolveIsa(int32_t isa)
         isa = envIsa();
     if (isa == kiviCpuIsaAuto)
     {
-        for (int32_t i = kiviCpuIsaAvx512Vnni; i > kiviCpuIsaPortable; --i)
+        for (int32_t i = kiviCpuIsaAvx512Vnni; i > kiviCpuIsaAvx2; --i)
             if (cpuHas(i))
                 return i;
+#if defined(KIVI_CPU_HAVE_X86)
+        // AMD multiplies subnormal operands at full speed (kiviCpuDenormal2.h); Intel takes an assist per operand
+        if (cpuHas(kiviCpuIsaAvx2))
+            return __builtin_cpu_is("amd") ? kiviCpuIsaAvx2Denormal : kiviCpuIsaAvx2;
+#endif
         return kiviCpuIsaPortable;
     }
     return isa;
@@ -85,15 +92,16 @@ int32_t resolveIsa(int32_t isa)
 const IsaKernels* kernelsFor(int32_t isa)
 {
     const int32_t r = resolveIsa(isa);
-    if (r < kiviCpuIsaPortable || r > kiviCpuIsaAvx512Vnni)
+    if (r < kiviCpuIsaPortable || r > kiviCpuIsaAvx2Denormal)
     {
         tLastError = "isa=" + std::to_string(isa) + " (or $TRTLLM_KIVI_CPU_ISA) is not a path; allowed: 0 auto, "
-            "1 portable, 2 avx2, 3 avx512, 4 avx512vnni ($TRTLLM_KIVI_CPU_ISA: auto|portable|avx2|avx512|avx512vnni)";
+            "1 portable, 2 avx2, 3 avx512, 4 avx512vnni, 5 avx2denormal ($TRTLLM_KIVI_CPU_ISA: "
+            "auto|portable|avx2|avx2denormal|avx512|avx512vnni)";
         return nullptr;
     }
     if (!cpuHas(r))
     {
-        static const char* names[] = {"auto", "portable", "avx2", "avx512", "avx512vnni"};
+        static const char* names[] = {"auto", "portable", "avx2", "avx512", "avx512vnni", "avx2denormal"};
         tLastError = std::string("isa path ") + names[r] + " is not supported by this CPU (or not compiled in)";
         return nullptr;
     }
@@ -104,6 +112,8 @@ const IsaKernels* kernelsFor(int32_t isa)
         return &kAvx512Kernels;
     if (r == kiviCpuIsaAvx2)
         return &kAvx2Kernels;
+    if (r == kiviCpuIsaAvx2Denormal)
+        return &kAvx2DenormalKernels;
 #endif
     return &kPortableKernels;
 }
@@ -627,7 +637,7 @@ size_t kiviCpuDenseParamsSize(void)
 
 int32_t kiviCpuIsaSupported(int32_t isa)
 {
-    return isa == kiviCpuIsaAuto ? 1 : (isa >= kiviCpuIsaPortable && isa <= kiviCpuIsaAvx512Vnni && cpuHas(isa));
+    return isa == kiviCpuIsaAuto ? 1 : (isa >= kiviCpuIsaPortable && isa <= kiviCpuIsaAvx2Denormal && cpuHas(isa));
 }
 
 int32_t kiviCpuResolveIsa(int32_t isa)

@@ -16,6 +16,7 @@ struct IsaKernels
 extern const IsaKernels kPortableKernels;
 #ifdef KIVI_CPU_HAVE_X86
 extern const IsaKernels kAvx2Kernels;
+extern const IsaKernels kAvx2DenormalKernels;
 extern const IsaKernels kAvx512Kernels;
 extern const IsaKernels kAvx512VnniKernels;
 #endif

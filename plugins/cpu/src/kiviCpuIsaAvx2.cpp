@@ -1,15 +1,26 @@
 // AVX2 + FMA + F16C path (compiled with -mavx2 -mfma -mf16c; only called when the CPU reports them).
+// kiviCpuIsaAvx2Denormal.cpp compiles this file again with KIVI_AVX2_DENORMAL: 2-bit keys and values then take the
+// one-AND decode of kiviCpuDenormal2.h (S::kDENORMAL2).
 #include "kiviCpuCommon.h"
 #include "kiviCpuIsa.h"
 #include "kiviCpuTranspose.h"
 #include <immintrin.h>
 
+#ifdef KIVI_AVX2_DENORMAL
+#define KIVI_AVX2_NS avx2denormal
+#else
+#define KIVI_AVX2_NS avx2
+#endif
+
 namespace trtllm_kivi
 {
 namespace cpu
 {
-namespace avx2
+namespace KIVI_AVX2_NS
 {
+#ifdef KIVI_AVX2_DENORMAL
+#include "kiviCpuDenormal2.h"
+#endif
 
 alignas(32) static const int32_t kShift2[2][8] = {{0, 2, 4, 6, 8, 10, 12, 14}, {16, 18, 20, 22, 24, 26, 28, 30}};
 alignas(32) static const int32_t kShift4[8] = {0, 4, 8, 12, 16, 20, 24, 28};
@@ -32,6 +43,54 @@ struct S
 {
     static constexpr int W = 8;
     static constexpr bool kDOT8 = false; // no integer dot-product path (kiviCpuIsaAvx512.cpp, KIVI_AVX512_VNNI)
+#ifdef KIVI_AVX2_DENORMAL
+    static constexpr bool kDENORMAL2 = true; // kiviCpuDenormal2.h
+    // MXCSR with DAZ cleared (subnormal codes must not read as 0); returns the caller's, for restoreCsr
+    static uint32_t clearDaz()
+    {
+        const uint32_t csr = _mm_getcsr();
+        if (csr & 0x40u)
+            _mm_setcsr(csr & ~0x40u);
+        return csr;
+    }
+    static void restoreCsr(uint32_t csr)
+    {
+        if (csr & 0x40u)
+            _mm_setcsr(csr);
+    }
+    // true if |x| < kDN_OPERAND_LIMIT for the n values of `base` (dtype) from idx (false for NaN)
+    static bool absBelowLimit(const void* base, int64_t idx, int n, int32_t dtype)
+    {
+        const __m256 lim = _mm256_set1_ps(kDN_OPERAND_LIMIT), sign = _mm256_set1_ps(-0.0f);
+        __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+        int e = 0;
+        for (; e + 8 <= n; e += 8)
+            ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_andnot_ps(sign, loadAct(base, idx + e, dtype)), lim, _CMP_LT_OQ));
+        bool r = _mm256_movemask_ps(ok) == 0xFF;
+        for (; e < n; ++e)
+            r = r && __builtin_fabsf(loadScalar(base, idx + e, dtype)) < kDN_OPERAND_LIMIT;
+        return r;
+    }
+    template <int D>
+    static void keyTileDn3(const int32_t* tw, const float* qs, const float* cz, float* scores, int64_t stride)
+    {
+        dnKeyTile3<D>(tw, qs, cz, scores, stride);
+    }
+    template <int D>
+    static void valueBlockDn3(const int32_t* tw, int nt, int k, const float* coef, int ng, int64_t cs, float* acc)
+    {
+        if (ng == 1)
+            dnValueBlock3<D, 1>(tw, nt, k, coef, cs, acc);
+        else if (ng == 2)
+            dnValueBlock3<D, 2>(tw, nt, k, coef, cs, acc);
+        else
+            dnValueBlock3<D, 4>(tw, nt, k, coef, cs, acc);
+    }
+    static float keyScaleFactor(int n) { return dnKeyScaleFactor(n); }
+    static float valueTokenFactor(int t) { return dnValueTokenFactor(t); }
+#else
+    static constexpr bool kDENORMAL2 = false;
+#endif
     using F = __m256;
 
     static F zero() { return _mm256_setzero_ps(); }
@@ -77,25 +136,26 @@ struct S
             return _cvtsh_ss(static_cast<const uint16_t*>(base)[i]);
         return loadScalar(base, i, dtype);
     }
-    // The scalar formula of kernel::expScalar, lane-wise. NaN propagates through max / min (they return their second
-    // operand, x, when it is NaN) and the final mask (unordered compares are true).
+    // exp for softmax arguments (x <= 0): n = round(x log2 e) as kernel::expScalar, but f = x log2 e - n (two-part
+    // log2 e, 1.7e-7 relative error) and 2^f by Cephes' exp2f polynomial in Estrin's scheme: a dependency chain half
+    // as long as expScalar's Horner form (1.4 instead of 2.0 cycles per score on Zen 3: the chains, not the FMA count,
+    // bound softmaxRows). Exact 0 below kEXP_LO (so masked -inf gives 0); NaN propagates (the final mask's unordered
+    // compare is true and the product keeps the NaN).
     static F exp(F x)
     {
-        const __m256 lo = _mm256_set1_ps(kEXP_LO), shifter = _mm256_set1_ps(kEXP_SHIFTER);
-        const __m256 xc = _mm256_min_ps(_mm256_set1_ps(kEXP_HI), _mm256_max_ps(lo, x));
-        const __m256 t = _mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), shifter);
-        const __m256 fx = _mm256_sub_ps(t, shifter);
-        __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), xc);
-        r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
-        __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
-        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
-        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
-        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
-        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
-        y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(y, r), r, r), _mm256_set1_ps(1.0f));
+        const __m256 shifter = _mm256_set1_ps(kEXP_SHIFTER);
+        const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), shifter);
+        const __m256 n = _mm256_sub_ps(t, shifter);
+        const __m256 f = _mm256_fmadd_ps(x, _mm256_set1_ps(1.925963033e-8f),
+            _mm256_fmsub_ps(x, _mm256_set1_ps(1.44269502162933349609375f), n));
+        const __m256 f2 = _mm256_mul_ps(f, f), f4 = _mm256_mul_ps(f2, f2);
+        const __m256 e0 = _mm256_fmadd_ps(_mm256_set1_ps(6.931472028550421E-1f), f, _mm256_set1_ps(1.0f));
+        const __m256 e1 = _mm256_fmadd_ps(_mm256_set1_ps(5.550332471162809E-2f), f, _mm256_set1_ps(2.402264791363012E-1f));
+        __m256 e2 = _mm256_fmadd_ps(_mm256_set1_ps(1.339887440266574E-3f), f, _mm256_set1_ps(9.618437357674640E-3f));
+        e2 = _mm256_fmadd_ps(_mm256_set1_ps(1.535336188319500E-4f), f2, e2);
+        const __m256 p = _mm256_fmadd_ps(f4, e2, _mm256_fmadd_ps(f2, e1, e0));
         const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(127)), 23);
-        return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), _mm256_cmp_ps(x, lo, _CMP_NLT_UQ));
+        return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_cmp_ps(x, _mm256_set1_ps(kEXP_LO), _CMP_NLT_UQ));
     }
     // dst[c * 8 + r] = src[r * srcStride + c] for r, c in [0, 8) (kiviCpuTranspose.h).
     __attribute__((always_inline)) static inline void transpose8(const int32_t* src, int srcStride, int32_t* dst)
@@ -151,9 +211,13 @@ struct S
 
 #include "kiviCpuKernel.h"
 
-} // namespace avx2
+} // namespace KIVI_AVX2_NS
 
+#ifdef KIVI_AVX2_DENORMAL
+const IsaKernels kAvx2DenormalKernels = {avx2denormal::kernel::attendItem, avx2denormal::kernel::mergeItem};
+#else
 const IsaKernels kAvx2Kernels = {avx2::kernel::attendItem, avx2::kernel::mergeItem};
+#endif
 
 } // namespace cpu
 } // namespace trtllm_kivi

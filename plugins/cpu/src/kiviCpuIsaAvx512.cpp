@@ -113,6 +113,7 @@ struct S
 #else
     static constexpr bool kDOT8 = false;
 #endif
+    static constexpr bool kDENORMAL2 = false; // no subnormal decode (kiviCpuDenormal2.h, the avx2denormal path)
 
     static F zero() { return _mm512_setzero_ps(); }
     static F set1(float x) { return _mm512_set1_ps(x); }

@@ -13,6 +13,7 @@ struct S
 {
     static constexpr int W = 8;
     static constexpr bool kDOT8 = false; // no integer dot-product path (kiviCpuIsaAvx512.cpp, KIVI_AVX512_VNNI)
+    static constexpr bool kDENORMAL2 = false; // no subnormal decode (kiviCpuDenormal2.h)
     struct F
     {
         float v[W];

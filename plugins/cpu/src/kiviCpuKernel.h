@@ -29,7 +29,8 @@ namespace kernel
 
 // exp for softmax arguments (x <= 0 in practice): n = round(x log2 e) by adding 1.5 * 2^23 (whose low bits then hold
 // n: no floor / convert), r = x - n ln 2 in two parts, Cephes' polynomial, times 2^n; exact 0 below -87.3 (so masked
-// -inf gives 0), NaN propagates. One scalar copy (for merges) and S::exp (vector) implement the same formula.
+// -inf gives 0), NaN propagates. One scalar copy (for merges) and S::exp (vector) implement the same formula (the AVX2
+// S::exp: the same n, 2^(x log2 e - n) in Estrin's scheme, for a shorter dependency chain).
 static inline float expScalar(float x)
 {
     if (x != x)
@@ -50,6 +51,14 @@ static inline float expScalar(float x)
     y = __builtin_fmaf(y * r, r, r) + 1.0f;
     return y * bitsF32((f32Bits(t) + 127u) << 23); // t's bits are 0x4B400000 + n; the shift drops the 0x4B4
 }
+
+// T as a type that depends on a template parameter: members only some ISAs' S have (kDENORMAL2's) are then looked up
+// at instantiation, inside `if constexpr`.
+template <class T, int>
+struct Dependent
+{
+    using type = T;
+};
 
 static inline int32_t imin(int32_t a, int32_t b)
 {
@@ -212,6 +221,23 @@ struct Attn
             __builtin_prefetch(w + i, 0, 2);
     }
 
+    // Software prefetch (into L2) of head g's values at rows [r, r + n) of physical block blk (whole tiles): codes,
+    // scales, zeros. Issued while the block's keys are scored, so the values pass of the split finds them in L2.
+    static void prefetchValues(const Ctx& c, int g, int32_t blk, int r, int n)
+    {
+        const int64_t row0 = (int64_t(blk) * c.Hkv + g) * c.BS + r;
+        const int wpt = D * c.vBits / 32; // words per token
+        const char* w = reinterpret_cast<const char*>(c.vCodes + row0 * wpt);
+        for (int64_t i = 0; i < int64_t(n) * wpt * 4; i += 64)
+            __builtin_prefetch(w + i, 0, 2);
+        const int64_t sb = dtypeBytes(c.scaleDtype) * (D / c.Gv);
+        for (int64_t i = 0; i < n * sb; i += 64)
+        {
+            __builtin_prefetch(static_cast<const char*>(c.vScale) + row0 * sb + i, 0, 2);
+            __builtin_prefetch(static_cast<const char*>(c.vZero) + row0 * sb + i, 0, 2);
+        }
+    }
+
     // kDOT8 paths (S's integer dot products; X defers the lookup of S's members to instantiation, which only the
     // ISAs with kDOT8 reach).
     template <class X = S>
@@ -266,6 +292,25 @@ struct Attn
                 return false;
             s.vfix[gi] = f[gi] * (1.0f / X::kFIX);
             s.vfix[4 + gi] = f[gi] == 0.0f ? 0.0f : X::kFIX / f[gi];
+        }
+        return true;
+    }
+
+    // Whether every value scale of head g's quantized span [qa, qend) is below kDN_OPERAND_LIMIT in magnitude (the
+    // subnormal decode's coefficients carry 2^100: S::kDENORMAL2 only).
+    template <class X = S>
+    static bool valueScalesBelowLimit(const Ctx& c, const SeqPlan& sp, int g, int qa, int qend)
+    {
+        const int ng = D / c.Gv;
+        for (int t = qa; t < qend;)
+        {
+            const int jq = t - sp.sink;
+            const int t1 = imin(qend, t + (c.BS - jq % c.BS));
+            const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + jq / c.BS];
+            const int64_t idx = ((int64_t(blk) * c.Hkv + g) * c.BS + jq % c.BS) * ng;
+            if (!X::absBelowLimit(c.vScale, idx, (t1 - t) * ng, c.scaleDtype))
+                return false;
+            t = t1;
         }
         return true;
     }
@@ -336,27 +381,61 @@ struct Attn
         bool dot8 = false; // integer dot products (S::kDOT8, 2-bit keys) unless a row is not finite
         if constexpr (S::kDOT8 && BITS == 2)
             dot8 = keyPrepRows(rows, s);
+        // subnormal decode (S::kDENORMAL2: 2-bit keys, row blocks of 3): qs carries keyScaleFactor per channel (exact,
+        // a power of two), unless a scaled qs is not finite (then qs is recomputed plain and the fp32 path runs)
+        bool dn = false;
+        if constexpr (S::kDENORMAL2 && BITS == 2)
+        {
+            dn = rows % 3 == 0 && !dot8;
+            for (int n = 0; n < NV && dn; ++n)
+                S::store(ksc + n * W, S::mul(S::load(ksc + n * W), S::set1(Dependent<S, BITS>::type::keyScaleFactor(n))));
+        }
         const float* const qf = s.qf;
         float* const qsAll = s.qs;
         float* const czAll = s.cz;
+        float bad = 0.0f; // sum of qs * 0: NaN iff a scaled qs is not finite
         for (int row = 0; row < rows && !dot8; ++row)
         {
             const float* q = qf + row * D;
             float* qs = qsAll + row * D;
-            typename S::F z = S::zero();
+            typename S::F z = S::zero(), zb = S::zero(), b = S::zero(); // two chains for z: half the latency
             for (int n = 0; n < NV; ++n)
             {
                 typename S::F qv = S::load(q + n * W);
-                S::store(qs + n * W, S::mul(qv, S::load(ksc + n * W)));
-                z = S::fma(qv, S::load(kzr + n * W), z);
+                const typename S::F qsv = S::mul(qv, S::load(ksc + n * W));
+                S::store(qs + n * W, qsv);
+                if (dn)
+                    b = S::fma(qsv, S::zero(), b);
+                if (n & 1)
+                    zb = S::fma(qv, S::load(kzr + n * W), zb);
+                else
+                    z = S::fma(qv, S::load(kzr + n * W), z);
             }
-            czAll[row] = S::hsum(z);
+            czAll[row] = S::hsum(S::add(z, zb));
+            if (dn)
+                bad += S::hsum(b);
+        }
+        if (dn && bad != 0.0f) // NaN (or +-inf) somewhere: plain qs for the fp32 path
+        {
+            dn = false;
+            for (int row = 0; row < rows; ++row)
+                for (int n = 0; n < NV; ++n)
+                    S::store(qsAll + row * D + n * W,
+                        S::mul(S::load(qf + row * D + n * W), S::loadAct(kScale, sOff + n * W, sDtype)));
         }
         const int32_t* words = c.kCodes + (int64_t(blk) * c.Hkv + g) * int64_t(c.BS / 16) * TILE_WORDS;
         for (int t1 = t0; t1 < t0 + c.G; t1 += kK_TILE)
         {
             const int32_t* tw = s.tw; // the tile's words, transposed
             transposeTile<BITS>(words + int64_t((r + t1 - t0) >> 4) * TILE_WORDS, s.tw);
+            if constexpr (S::kDENORMAL2 && BITS == 2)
+                if (dn)
+                {
+                    for (int r0 = 0; r0 < rows; r0 += 3)
+                        Dependent<S, BITS>::type::template keyTileDn3<D>(tw, s.qs + r0 * D, s.cz + r0,
+                            s.scores + int64_t(r0) * scoreStride() + (t1 - a), scoreStride());
+                    continue;
+                }
             for (int r0 = 0; r0 < rows; r0 += RB)
             {
                 const float* qs = s.qs + r0 * D;
@@ -558,7 +637,8 @@ struct Attn
     // coef[row][e] = p_t * scale[e] and zacc[row][gi] += sum_t p_t * zero[e] for NR rows over n store entries from idx
     // (token-major e = (t - t0) ng + gi): W consecutive entries take their p from W / ng tokens (S::spread), so scales
     // need no transpose. p, coef, zacc: row 0's (strides scoreStride, ng scoreStride, 8).
-    template <int NR>
+    // DN (S::kDENORMAL2): the coefficients carry S::valueTokenFactor of their token in the tile (idx is tile-aligned).
+    template <int NR, bool DN>
     static void stageCoefs(const Ctx& c, int64_t idx, int n, int ng, const float* p, float* coef, float* zacc)
     {
         const void* const vScale = c.vScale; // locals: the stores below may alias c for the compiler
@@ -571,7 +651,10 @@ struct Attn
             z[i] = S::zero();
         for (int e = 0; e < n; e += W)
         {
-            const typename S::F sc = S::loadAct(vScale, idx + e, sDtype), zr = S::loadAct(vZero, idx + e, sDtype);
+            typename S::F sc = S::loadAct(vScale, idx + e, sDtype);
+            const typename S::F zr = S::loadAct(vZero, idx + e, sDtype);
+            if constexpr (DN) // W entries: one token's half of the tile (W / ng tokens, aligned)
+                sc = S::mul(sc, S::set1(Dependent<S, NR>::type::valueTokenFactor((e >> ngShift) & 15)));
             for (int i = 0; i < NR; ++i)
             {
                 const typename S::F pv = S::spread(p + int64_t(i) * scoreStride() + (e >> ngShift), ng);
@@ -592,9 +675,10 @@ struct Attn
     // coef = p_t * scale per token and group, zacc += sum_t p_t * zero per group (added once at the end of the split),
     // and the transposed tiles. Every store byte of the values is read here (valuesAccumulate reads scratch only).
     // dot8 (S::kDOT8, valueDigitScales true): also the rows' digits; returns false if a coefficient is NaN.
+    // dn (S::kDENORMAL2, valueScalesBelowLimit true): coefficients scaled for the subnormal decode.
     template <int BITS>
     static bool valuesStage(const Ctx& c, const SeqPlan& sp, int g, int rows, int qa, int t0, int t1, int a, Scratch& s,
-        bool dot8)
+        bool dot8, bool dn)
     {
         const int ng = D / c.Gv;
         const int jq = t0 - sp.sink; // store index; [t0, t1) lies in one block
@@ -605,12 +689,25 @@ struct Attn
             const float* p = s.scores + int64_t(r0) * scoreStride() + (t0 - a);
             float* cf = s.coef + int64_t(r0) * ng * scoreStride() + (t0 - qa) * ng;
             float* zacc = s.zacc + r0 * 8;
-            switch (imin(RB, rows - r0))
+            const int nr = imin(RB, rows - r0), n = (t1 - t0) * ng;
+            if constexpr (S::kDENORMAL2 && BITS == 2)
+                if (dn)
+                {
+                    switch (nr)
+                    {
+                    case 1: stageCoefs<1, true>(c, idx, n, ng, p, cf, zacc); break;
+                    case 2: stageCoefs<2, true>(c, idx, n, ng, p, cf, zacc); break;
+                    case 3: stageCoefs<3, true>(c, idx, n, ng, p, cf, zacc); break;
+                    default: stageCoefs<4, true>(c, idx, n, ng, p, cf, zacc); break;
+                    }
+                    continue;
+                }
+            switch (nr)
             {
-            case 1: stageCoefs<1>(c, idx, (t1 - t0) * ng, ng, p, cf, zacc); break;
-            case 2: stageCoefs<2>(c, idx, (t1 - t0) * ng, ng, p, cf, zacc); break;
-            case 3: stageCoefs<3>(c, idx, (t1 - t0) * ng, ng, p, cf, zacc); break;
-            default: stageCoefs<4>(c, idx, (t1 - t0) * ng, ng, p, cf, zacc); break;
+            case 1: stageCoefs<1, false>(c, idx, n, ng, p, cf, zacc); break;
+            case 2: stageCoefs<2, false>(c, idx, n, ng, p, cf, zacc); break;
+            case 3: stageCoefs<3, false>(c, idx, n, ng, p, cf, zacc); break;
+            default: stageCoefs<4, false>(c, idx, n, ng, p, cf, zacc); break;
             }
         }
         constexpr int TILE_WORDS = 16 * D * BITS / 32;
@@ -629,11 +726,21 @@ struct Attn
     }
 
     // acc += coef_t * code_t over the staged span [qa, qend) (valuesStage; the zero terms are in zacc). Reads scratch only.
+    // dn: the coefficients were staged for the subnormal decode (valuesStage).
     template <int BITS>
-    static void valuesAccumulate(const Ctx& c, int rows, int qa, int qend, Scratch& s)
+    static void valuesAccumulate(const Ctx& c, int rows, int qa, int qend, Scratch& s, bool dn)
     {
         const int ng = D / c.Gv;
         const int64_t cs = int64_t(ng) * scoreStride();
+        if constexpr (S::kDENORMAL2 && BITS == 2)
+            if (dn) // row blocks of 3 (splitPartial checked rows % 3 == 0)
+            {
+                for (int k = 0; k < D / 32; ++k)
+                    for (int r0 = 0; r0 < rows; r0 += 3)
+                        Dependent<S, BITS>::type::template valueBlockDn3<D>(s.tw, (qend - qa) / 16, k, s.coef + r0 * cs + 32 * k / c.Gv, ng,
+                            cs, s.acc + r0 * D);
+                return;
+            }
         for (int k = 0; k < D / (16 * VNB); ++k)
         {
             const int gi = 16 * VNB * k / c.Gv; // the value group of these channels (Gv >= 32 >= 16 VNB)
@@ -729,6 +836,8 @@ struct Attn
                     const int32_t* row = c.blockTable + int64_t(sp.seq) * c.maxBlocks;
                     const int32_t nextBlk = (jb + 1) * c.BS < sp.nq ? row[jb + 1] : -1;
                     for (int g = g0; g < g1; ++g)
+                        prefetchValues(c, g, row[jb], r0, tEnd - t);
+                    for (int g = g0; g < g1; ++g)
                         for (int t0 = t; t0 < tEnd; t0 += c.G)
                         {
                             const int r = r0 + (t0 - t);
@@ -762,10 +871,10 @@ struct Attn
                 scoresFull(base, dtype, rowOff, rows, t0, t1, a, s);
             });
             softmaxRows(c, sp, pos0, rows, a, b, s);
-            for (int row = 0; row < rows; ++row)
+            for (int row = 0; row < rows; ++row) // vector stores: a scalar loop becomes rep stos, slow to start
             {
-                for (int d = 0; d < D; ++d)
-                    s.acc[row * D + d] = 0.0f;
+                for (int n = 0; n < NV; ++n)
+                    S::store(s.acc + row * D + n * W, S::zero());
                 for (int i = 0; i < 8; ++i)
                     s.zacc[row * 8 + i] = 0.0f;
             }
@@ -779,15 +888,23 @@ struct Attn
                 if (c.vBits == 2)
                     for (int g = g0; g < g1; ++g)
                         dot8[g - g0] = valueDigitScales(c, sp, g, qa, qend, hs[g - g0]);
+            // subnormal decode for 2-bit values (S::kDENORMAL2) per head, unless a value scale is too large
+            bool dn[kMAX_HEADS_PER_PASS] = {};
+            if constexpr (S::kDENORMAL2)
+                if (c.vBits == 2 && rows % 3 == 0)
+                    for (int g = g0; g < g1; ++g)
+                        dn[g - g0] = valueScalesBelowLimit(c, sp, g, qa, qend);
             for (int t = qa; t < qend; t = blockEnd(t))
                 for (int g = g0; g < g1; ++g)
                 {
                     bool& d8 = dot8[g - g0];
                     switch (c.vBits)
                     {
-                    case 2: d8 = valuesStage<2>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0], d8) && d8; break;
-                    case 4: valuesStage<4>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0], false); break;
-                    default: valuesStage<8>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0], false); break;
+                    case 2:
+                        d8 = valuesStage<2>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0], d8, dn[g - g0]) && d8;
+                        break;
+                    case 4: valuesStage<4>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0], false, false); break;
+                    default: valuesStage<8>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0], false, false); break;
                     }
                 }
             for (int g = g0; g < g1; ++g)
@@ -800,9 +917,9 @@ struct Attn
                 {
                     switch (c.vBits)
                     {
-                    case 2: valuesAccumulate<2>(c, rows, qa, qend, s); break;
-                    case 4: valuesAccumulate<4>(c, rows, qa, qend, s); break;
-                    default: valuesAccumulate<8>(c, rows, qa, qend, s); break;
+                    case 2: valuesAccumulate<2>(c, rows, qa, qend, s, dn[g - g0]); break;
+                    case 4: valuesAccumulate<4>(c, rows, qa, qend, s, false); break;
+                    default: valuesAccumulate<8>(c, rows, qa, qend, s, false); break;
                     }
                 }
                 for (int row = 0; row < rows; ++row)
@@ -941,6 +1058,19 @@ struct Attn
     }
 
     static void attendItem(const Ctx& c, const WorkItem& it, float* scratch)
+    {
+        if constexpr (S::kDENORMAL2) // subnormal codes: DAZ off for the item (kiviCpuDenormal2.h)
+        {
+            using X = typename Dependent<S, D>::type;
+            const uint32_t csr = X::clearDaz();
+            attendItemBody(c, it, scratch);
+            X::restoreCsr(csr);
+        }
+        else
+            attendItemBody(c, it, scratch);
+    }
+
+    static void attendItemBody(const Ctx& c, const WorkItem& it, float* scratch)
     {
         const SeqPlan& sp = c.seqs[it.seqIdx];
         const int pos0 = it.qTile * kQ_TILE;

@@ -1,0 +1,174 @@
+// 2-bit codes decoded by one AND (the avx2denormal path; included by kiviCpuIsaAvx2.cpp inside its namespace).
+//
+// Why: on AVX2 the decode shift + mask + int->float convert of kiviCpuKernel.h costs more than the FMAs it feeds
+// (vcvtdq2ps competes with the FMAs for their two pipes on Zen 3: 12 FMAs + 4 converts take 10 cycles, not 6). Here
+// a 2-bit code at bit s (s < 16; the high half of a word is shifted down once) is isolated by an AND and read as the
+// subnormal float c 2^(s - 149), exact. The other operand carries 2^(kDN_OPERAND_EXP - s) (folded into the key scale
+// per channel, or the value coefficient per token), so every product is the true one times 2^-kDN_PRODUCT_EXP: the
+// same rounding as the fp32 path (power-of-two scaling is exact in the normal range). The accumulators are scaled
+// back once per tile (keys) or span (values).
+//
+// Subnormal inputs: AMD Zen multiplies them at full speed (measured: 6.2 cycles per 12 FMAs either way); Intel cores
+// take a microcode assist per subnormal operand, so `auto` picks this path only on AMD. DAZ (denormals-are-zero) would
+// read every code as 0: attendItem clears it for the item and restores MXCSR (FTZ stays: outputs here are normal).
+// Range: operands must stay finite after the 2^(100 - s) scaling: key q * scale and value scales below 2^27 in
+// magnitude (checked per key group / per split; otherwise that group / split takes the fp32 path).
+//
+// The inner steps are inline asm because GCC 12 spills the 12 accumulators of the intrinsics version (16 ymm
+// registers: 12 accumulators, the word set, two codes, one broadcast): 350 -> 198 cycles per tile for the values,
+// 296 -> 230 for the keys (benchmarks/cpu_inner_loops.cpp; FMA floor 192).
+
+constexpr int kDN_OPERAND_EXP = 100;
+constexpr int kDN_PRODUCT_EXP = 49; // = 149 - kDN_OPERAND_EXP
+constexpr float kDN_OPERAND_LIMIT = 134217728.0f; // 2^27: |key q * scale|, |value scale| below this take the path
+
+// mask m isolates the code at bits [2 m, 2 m + 2)
+alignas(32) static const int32_t kDnMask2[8][8] = {
+#define KIVI_DN_R8(x) {x, x, x, x, x, x, x, x}
+    KIVI_DN_R8(3 << 0), KIVI_DN_R8(3 << 2), KIVI_DN_R8(3 << 4), KIVI_DN_R8(3 << 6), KIVI_DN_R8(3 << 8),
+    KIVI_DN_R8(3 << 10), KIVI_DN_R8(3 << 12), KIVI_DN_R8(3 << 14)};
+#undef KIVI_DN_R8
+
+// One step: the codes of masks M0, M1 of the word set in ymm12 (ymm13, ymm15), times the coefficient at byte offset
+// OFF of each of 3 row pointers (broadcast into ymm14), into the accumulator pairs (T0A, T0B) .. (T2A, T2B).
+#define KIVI_DN_STEP3(OFF, M0, M1, T0A, T0B, T1A, T1B, T2A, T2B)                                                    \
+    "vpand " #M0 "*32(%[m]), %%ymm12, %%ymm13\n\t"                                                                  \
+    "vpand " #M1 "*32(%[m]), %%ymm12, %%ymm15\n\t"                                                                  \
+    "vbroadcastss " OFF "(%[p0]), %%ymm14\n\t"                                                                      \
+    "vfmadd231ps %%ymm14, %%ymm13, %[" #T0A "]\n\t"                                                                 \
+    "vfmadd231ps %%ymm14, %%ymm15, %[" #T0B "]\n\t"                                                                 \
+    "vbroadcastss " OFF "(%[p1]), %%ymm14\n\t"                                                                      \
+    "vfmadd231ps %%ymm14, %%ymm13, %[" #T1A "]\n\t"                                                                 \
+    "vfmadd231ps %%ymm14, %%ymm15, %[" #T1B "]\n\t"                                                                 \
+    "vbroadcastss " OFF "(%[p2]), %%ymm14\n\t"                                                                      \
+    "vfmadd231ps %%ymm14, %%ymm13, %[" #T2A "]\n\t"                                                                 \
+    "vfmadd231ps %%ymm14, %%ymm15, %[" #T2B "]\n\t"
+
+// Keys, one word set w (tq, j) of a transposed tile: step (h, pp) is channel 8 pp + h of the row pointers (which point
+// at channel 32 j + 2 tq), masks 2 pp, 2 pp + 1 (token vectors v = 0, 1: tokens gq, 8 + gq); accumulator set pp & 1
+// so consecutive steps feed different chains (FMA latency 4-5 cycles).
+// The asm is volatile and the callers put a compiler barrier before their loops: it reads memory GCC is not told of.
+__attribute__((always_inline)) static inline void dnKeyWords3(const int32_t* w, const float* p0, const float* p1,
+    const float* p2, __m256 (&a)[2][3][2])
+{
+    asm volatile("vmovdqu (%[w]), %%ymm12\n\t"
+        KIVI_DN_STEP3("0", 0, 1, a000, a001, a010, a011, a020, a021)
+        KIVI_DN_STEP3("32", 2, 3, a100, a101, a110, a111, a120, a121)
+        KIVI_DN_STEP3("64", 4, 5, a000, a001, a010, a011, a020, a021)
+        KIVI_DN_STEP3("96", 6, 7, a100, a101, a110, a111, a120, a121)
+        "vpsrld $16, %%ymm12, %%ymm12\n\t"
+        KIVI_DN_STEP3("4", 0, 1, a000, a001, a010, a011, a020, a021)
+        KIVI_DN_STEP3("36", 2, 3, a100, a101, a110, a111, a120, a121)
+        KIVI_DN_STEP3("68", 4, 5, a000, a001, a010, a011, a020, a021)
+        KIVI_DN_STEP3("100", 6, 7, a100, a101, a110, a111, a120, a121)
+        : [a000] "+x"(a[0][0][0]), [a001] "+x"(a[0][0][1]), [a010] "+x"(a[0][1][0]), [a011] "+x"(a[0][1][1]),
+        [a020] "+x"(a[0][2][0]), [a021] "+x"(a[0][2][1]), [a100] "+x"(a[1][0][0]), [a101] "+x"(a[1][0][1]),
+        [a110] "+x"(a[1][1][0]), [a111] "+x"(a[1][1][1]), [a120] "+x"(a[1][2][0]), [a121] "+x"(a[1][2][1])
+        : [w] "r"(w), [m] "r"(kDnMask2), [p0] "r"(p0), [p1] "r"(p1), [p2] "r"(p2)
+        : "xmm12", "xmm13", "xmm14", "xmm15");
+}
+
+// Values, word set w (tq, k) of a transposed tile (channels 32 k ..): step (h, e) is token 8 (e & 1) + h of the row
+// pointers (at token 2 tq; NG floats per token), masks 2 e, 2 e + 1 into accumulators 2 (e >> 1) + {0, 1} (channels
+// 32 k + 16 (e >> 1) + 8 v + gq); e ordered 0 2 1 3 so consecutive steps feed different chains.
+template <int NG>
+__attribute__((always_inline)) static inline void dnValueWords3(const int32_t* w, const float* p0, const float* p1,
+    const float* p2, __m256 (&a)[3][4])
+{
+    asm volatile("vmovdqu (%[w]), %%ymm12\n\t"
+        KIVI_DN_STEP3("0", 0, 1, a00, a01, a10, a11, a20, a21)
+        KIVI_DN_STEP3("0", 4, 5, a02, a03, a12, a13, a22, a23)
+        KIVI_DN_STEP3("32*%c[ng]", 2, 3, a00, a01, a10, a11, a20, a21)
+        KIVI_DN_STEP3("32*%c[ng]", 6, 7, a02, a03, a12, a13, a22, a23)
+        "vpsrld $16, %%ymm12, %%ymm12\n\t"
+        KIVI_DN_STEP3("4*%c[ng]", 0, 1, a00, a01, a10, a11, a20, a21)
+        KIVI_DN_STEP3("4*%c[ng]", 4, 5, a02, a03, a12, a13, a22, a23)
+        KIVI_DN_STEP3("36*%c[ng]", 2, 3, a00, a01, a10, a11, a20, a21)
+        KIVI_DN_STEP3("36*%c[ng]", 6, 7, a02, a03, a12, a13, a22, a23)
+        : [a00] "+x"(a[0][0]), [a01] "+x"(a[0][1]), [a02] "+x"(a[0][2]), [a03] "+x"(a[0][3]), [a10] "+x"(a[1][0]),
+        [a11] "+x"(a[1][1]), [a12] "+x"(a[1][2]), [a13] "+x"(a[1][3]), [a20] "+x"(a[2][0]), [a21] "+x"(a[2][1]),
+        [a22] "+x"(a[2][2]), [a23] "+x"(a[2][3])
+        : [w] "r"(w), [m] "r"(kDnMask2), [p0] "r"(p0), [p1] "r"(p1), [p2] "r"(p2), [ng] "i"(NG)
+        : "xmm12", "xmm13", "xmm14", "xmm15");
+}
+#undef KIVI_DN_STEP3
+
+// 2^e as a float (e in the normal range)
+constexpr float dnPow2(int e)
+{
+    float x = 1.0f;
+    for (; e > 0; --e)
+        x *= 2.0f;
+    for (; e < 0; ++e)
+        x *= 0.5f;
+    return x;
+}
+
+// Key scale factor of channels [8 n, 8 n + 8): their codes sit at bit 16 h + 4 pp + 2 v with pp = n % 4
+// (FRAGMENT order, kiviCpuKernel.h).
+static inline float dnKeyScaleFactor(int n)
+{
+    static constexpr float kF[4] = {dnPow2(kDN_OPERAND_EXP), dnPow2(kDN_OPERAND_EXP - 4), dnPow2(kDN_OPERAND_EXP - 8),
+        dnPow2(kDN_OPERAND_EXP - 12)};
+    return kF[n & 3];
+}
+
+// Value coefficient factor of tile token t (0..15): its codes sit at bit 16 (t & 1) + 4 (t >> 3) + (channel part).
+static inline float dnValueTokenFactor(int t)
+{
+    static constexpr float kF[2] = {dnPow2(kDN_OPERAND_EXP), dnPow2(kDN_OPERAND_EXP - 4)};
+    return kF[(t >> 3) & 1];
+}
+
+// Scores of one transposed 16-token tile `tw` for 3 rows: scores[i][t] = sum_ch qs[i][ch] code(t, ch) + cz[i], qs
+// scaled by dnKeyScaleFactor per channel.
+template <int D>
+static void dnKeyTile3(const int32_t* tw, const float* qs, const float* cz, float* scores, int64_t stride)
+{
+    constexpr int NW = D * 2 / 64;
+    asm volatile("" ::: "memory"); // the asm below reads tw and qs: the stores before must be done
+    __m256 acc[2][3][2]; // index loops: GCC keeps the array in registers (range-for references put it on the stack)
+    for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < 3; ++i)
+            for (int v = 0; v < 2; ++v)
+                acc[h][i][v] = _mm256_setzero_ps();
+    for (int tq = 0; tq < 4; ++tq)
+        for (int j = 0; j < NW; ++j)
+        {
+            const float* q = qs + 32 * j + 2 * tq;
+            dnKeyWords3(tw + 8 * (tq * NW + j), q, q + D, q + 2 * D, acc);
+        }
+    static constexpr float kBack0 = dnPow2(kDN_PRODUCT_EXP), kBack1 = dnPow2(kDN_PRODUCT_EXP - 2);
+    for (int i = 0; i < 3; ++i)
+        for (int v = 0; v < 2; ++v) // code vector v sits 2 v bits higher: 2^(2 v) larger
+            _mm256_storeu_ps(scores + i * stride + 8 * v,
+                _mm256_fmadd_ps(_mm256_add_ps(acc[0][i][v], acc[1][i][v]),
+                    _mm256_set1_ps(v ? kBack1 : kBack0), _mm256_set1_ps(cz[i])));
+}
+
+// acc[i][32 k .. 32 k + 32) += sum over the nt transposed tiles `tw` of coef[i][t] code(t, ch) for 3 rows; coef row
+// stride cs, NG floats per token, scaled by dnValueTokenFactor per token.
+template <int D, int NG>
+static void dnValueBlock3(const int32_t* tw, int nt, int k, const float* coef, int64_t cs, float* acc)
+{
+    constexpr int NW = D * 2 / 64, TILE_WORDS = 16 * D * 2 / 32;
+    asm volatile("" ::: "memory"); // the asm below reads tw and coef: the stores before must be done
+    __m256 a[3][4];
+    for (int i = 0; i < 3; ++i)
+        for (int j = 0; j < 4; ++j)
+            a[i][j] = _mm256_setzero_ps();
+    for (int t = 0; t < nt; ++t, tw += TILE_WORDS, coef += 16 * NG)
+        for (int tq = 0; tq < 4; ++tq)
+        {
+            const float* cf = coef + 2 * tq * NG;
+            dnValueWords3<NG>(tw + 8 * (tq * NW + k), cf, cf + cs, cf + 2 * cs, a);
+        }
+    for (int i = 0; i < 3; ++i)
+        for (int j = 0; j < 4; ++j) // accumulator j = 2 blk + v: its codes sit 8 blk + 2 v bits higher
+        {
+            static constexpr float kBack[4] = {dnPow2(kDN_PRODUCT_EXP), dnPow2(kDN_PRODUCT_EXP - 2),
+                dnPow2(kDN_PRODUCT_EXP - 8), dnPow2(kDN_PRODUCT_EXP - 10)};
+            float* p = acc + i * D + 32 * k + 8 * j;
+            _mm256_storeu_ps(p, _mm256_fmadd_ps(a[i][j], _mm256_set1_ps(kBack[j]), _mm256_loadu_ps(p)));
+        }
+}
