@@ -44,6 +44,17 @@ alignas(32) static const int32_t kDnMask2[8][8] = {
     "vfmadd231ps %%ymm14, %%ymm13, %[" #T2A "]\n\t"                                                                 \
     "vfmadd231ps %%ymm14, %%ymm15, %[" #T2B "]\n\t"
 
+// The same step for 2 row pointers (accumulator pairs (T0A, T0B), (T1A, T1B)): row counts divisible by 2, not 3.
+#define KIVI_DN_STEP2(OFF, M0, M1, T0A, T0B, T1A, T1B)                                                              \
+    "vpand " #M0 "*32(%[m]), %%ymm12, %%ymm13\n\t"                                                                  \
+    "vpand " #M1 "*32(%[m]), %%ymm12, %%ymm15\n\t"                                                                  \
+    "vbroadcastss " OFF "(%[p0]), %%ymm14\n\t"                                                                      \
+    "vfmadd231ps %%ymm14, %%ymm13, %[" #T0A "]\n\t"                                                                 \
+    "vfmadd231ps %%ymm14, %%ymm15, %[" #T0B "]\n\t"                                                                 \
+    "vbroadcastss " OFF "(%[p1]), %%ymm14\n\t"                                                                      \
+    "vfmadd231ps %%ymm14, %%ymm13, %[" #T1A "]\n\t"                                                                 \
+    "vfmadd231ps %%ymm14, %%ymm15, %[" #T1B "]\n\t"
+
 // Keys, one word set w (tq, j) of a transposed tile: step (h, pp) is channel 8 pp + h of the row pointers (which point
 // at channel 32 j + 2 tq), masks 2 pp, 2 pp + 1 (token vectors v = 0, 1: tokens gq, 8 + gq); accumulator set pp & 1
 // so consecutive steps feed different chains (FMA latency 4-5 cycles).
@@ -65,6 +76,26 @@ __attribute__((always_inline)) static inline void dnKeyWords3(const int32_t* w, 
         [a020] "+x"(a[0][2][0]), [a021] "+x"(a[0][2][1]), [a100] "+x"(a[1][0][0]), [a101] "+x"(a[1][0][1]),
         [a110] "+x"(a[1][1][0]), [a111] "+x"(a[1][1][1]), [a120] "+x"(a[1][2][0]), [a121] "+x"(a[1][2][1])
         : [w] "r"(w), [m] "r"(kDnMask2), [p0] "r"(p0), [p1] "r"(p1), [p2] "r"(p2)
+        : "xmm12", "xmm13", "xmm14", "xmm15");
+}
+
+// dnKeyWords3 for 2 rows (8 accumulators)
+__attribute__((always_inline)) static inline void dnKeyWords2(const int32_t* w, const float* p0, const float* p1,
+    __m256 (&a)[2][2][2])
+{
+    asm volatile("vmovdqu (%[w]), %%ymm12\n\t"
+        KIVI_DN_STEP2("0", 0, 1, a000, a001, a010, a011)
+        KIVI_DN_STEP2("32", 2, 3, a100, a101, a110, a111)
+        KIVI_DN_STEP2("64", 4, 5, a000, a001, a010, a011)
+        KIVI_DN_STEP2("96", 6, 7, a100, a101, a110, a111)
+        "vpsrld $16, %%ymm12, %%ymm12\n\t"
+        KIVI_DN_STEP2("4", 0, 1, a000, a001, a010, a011)
+        KIVI_DN_STEP2("36", 2, 3, a100, a101, a110, a111)
+        KIVI_DN_STEP2("68", 4, 5, a000, a001, a010, a011)
+        KIVI_DN_STEP2("100", 6, 7, a100, a101, a110, a111)
+        : [a000] "+x"(a[0][0][0]), [a001] "+x"(a[0][0][1]), [a010] "+x"(a[0][1][0]), [a011] "+x"(a[0][1][1]),
+        [a100] "+x"(a[1][0][0]), [a101] "+x"(a[1][0][1]), [a110] "+x"(a[1][1][0]), [a111] "+x"(a[1][1][1])
+        : [w] "r"(w), [m] "r"(kDnMask2), [p0] "r"(p0), [p1] "r"(p1)
         : "xmm12", "xmm13", "xmm14", "xmm15");
 }
 
@@ -91,7 +122,29 @@ __attribute__((always_inline)) static inline void dnValueWords3(const int32_t* w
         : [w] "r"(w), [m] "r"(kDnMask2), [p0] "r"(p0), [p1] "r"(p1), [p2] "r"(p2), [ng] "i"(NG)
         : "xmm12", "xmm13", "xmm14", "xmm15");
 }
+
+// dnValueWords3 for 2 rows (8 accumulators)
+template <int NG>
+__attribute__((always_inline)) static inline void dnValueWords2(const int32_t* w, const float* p0, const float* p1,
+    __m256 (&a)[2][4])
+{
+    asm volatile("vmovdqu (%[w]), %%ymm12\n\t"
+        KIVI_DN_STEP2("0", 0, 1, a00, a01, a10, a11)
+        KIVI_DN_STEP2("0", 4, 5, a02, a03, a12, a13)
+        KIVI_DN_STEP2("32*%c[ng]", 2, 3, a00, a01, a10, a11)
+        KIVI_DN_STEP2("32*%c[ng]", 6, 7, a02, a03, a12, a13)
+        "vpsrld $16, %%ymm12, %%ymm12\n\t"
+        KIVI_DN_STEP2("4*%c[ng]", 0, 1, a00, a01, a10, a11)
+        KIVI_DN_STEP2("4*%c[ng]", 4, 5, a02, a03, a12, a13)
+        KIVI_DN_STEP2("36*%c[ng]", 2, 3, a00, a01, a10, a11)
+        KIVI_DN_STEP2("36*%c[ng]", 6, 7, a02, a03, a12, a13)
+        : [a00] "+x"(a[0][0]), [a01] "+x"(a[0][1]), [a02] "+x"(a[0][2]), [a03] "+x"(a[0][3]), [a10] "+x"(a[1][0]),
+        [a11] "+x"(a[1][1]), [a12] "+x"(a[1][2]), [a13] "+x"(a[1][3])
+        : [w] "r"(w), [m] "r"(kDnMask2), [p0] "r"(p0), [p1] "r"(p1), [ng] "i"(NG)
+        : "xmm12", "xmm13", "xmm14", "xmm15");
+}
 #undef KIVI_DN_STEP3
+#undef KIVI_DN_STEP2
 
 // 2^e as a float (e in the normal range)
 constexpr float dnPow2(int e)
@@ -120,50 +173,58 @@ static inline float dnValueTokenFactor(int t)
     return kF[(t >> 3) & 1];
 }
 
-// Scores of one transposed 16-token tile `tw` for 3 rows: scores[i][t] = sum_ch qs[i][ch] code(t, ch) + cz[i], qs
+// Scores of one transposed 16-token tile `tw` for NR (2 or 3) rows: scores[i][t] = sum_ch qs[i][ch] code(t, ch) + cz[i], qs
 // scaled by dnKeyScaleFactor per channel.
-template <int D>
-static void dnKeyTile3(const int32_t* tw, const float* qs, const float* cz, float* scores, int64_t stride)
+template <int D, int NR>
+static void dnKeyTile(const int32_t* tw, const float* qs, const float* cz, float* scores, int64_t stride)
 {
     constexpr int NW = D * 2 / 64;
     asm volatile("" ::: "memory"); // the asm below reads tw and qs: the stores before must be done
-    __m256 acc[2][3][2]; // index loops: GCC keeps the array in registers (range-for references put it on the stack)
+    static_assert(NR == 2 || NR == 3, "row blocks of 2 or 3");
+    __m256 acc[2][NR][2]; // index loops: GCC keeps the array in registers (range-for references put it on the stack)
     for (int h = 0; h < 2; ++h)
-        for (int i = 0; i < 3; ++i)
+        for (int i = 0; i < NR; ++i)
             for (int v = 0; v < 2; ++v)
                 acc[h][i][v] = _mm256_setzero_ps();
     for (int tq = 0; tq < 4; ++tq)
         for (int j = 0; j < NW; ++j)
         {
             const float* q = qs + 32 * j + 2 * tq;
-            dnKeyWords3(tw + 8 * (tq * NW + j), q, q + D, q + 2 * D, acc);
+            if constexpr (NR == 3)
+                dnKeyWords3(tw + 8 * (tq * NW + j), q, q + D, q + 2 * D, acc);
+            else
+                dnKeyWords2(tw + 8 * (tq * NW + j), q, q + D, acc);
         }
     static constexpr float kBack0 = dnPow2(kDN_PRODUCT_EXP), kBack1 = dnPow2(kDN_PRODUCT_EXP - 2);
-    for (int i = 0; i < 3; ++i)
+    for (int i = 0; i < NR; ++i)
         for (int v = 0; v < 2; ++v) // code vector v sits 2 v bits higher: 2^(2 v) larger
             _mm256_storeu_ps(scores + i * stride + 8 * v,
                 _mm256_fmadd_ps(_mm256_add_ps(acc[0][i][v], acc[1][i][v]),
                     _mm256_set1_ps(v ? kBack1 : kBack0), _mm256_set1_ps(cz[i])));
 }
 
-// acc[i][32 k .. 32 k + 32) += sum over the nt transposed tiles `tw` of coef[i][t] code(t, ch) for 3 rows; coef row
+// acc[i][32 k .. 32 k + 32) += sum over the nt transposed tiles `tw` of coef[i][t] code(t, ch) for NR (2 or 3) rows; coef row
 // stride cs, NG floats per token, scaled by dnValueTokenFactor per token.
-template <int D, int NG>
-static void dnValueBlock3(const int32_t* tw, int nt, int k, const float* coef, int64_t cs, float* acc)
+template <int D, int NG, int NR>
+static void dnValueBlock(const int32_t* tw, int nt, int k, const float* coef, int64_t cs, float* acc)
 {
     constexpr int NW = D * 2 / 64, TILE_WORDS = 16 * D * 2 / 32;
     asm volatile("" ::: "memory"); // the asm below reads tw and coef: the stores before must be done
-    __m256 a[3][4];
-    for (int i = 0; i < 3; ++i)
+    static_assert(NR == 2 || NR == 3, "row blocks of 2 or 3");
+    __m256 a[NR][4];
+    for (int i = 0; i < NR; ++i)
         for (int j = 0; j < 4; ++j)
             a[i][j] = _mm256_setzero_ps();
     for (int t = 0; t < nt; ++t, tw += TILE_WORDS, coef += 16 * NG)
         for (int tq = 0; tq < 4; ++tq)
         {
             const float* cf = coef + 2 * tq * NG;
-            dnValueWords3<NG>(tw + 8 * (tq * NW + k), cf, cf + cs, cf + 2 * cs, a);
+            if constexpr (NR == 3)
+                dnValueWords3<NG>(tw + 8 * (tq * NW + k), cf, cf + cs, cf + 2 * cs, a);
+            else
+                dnValueWords2<NG>(tw + 8 * (tq * NW + k), cf, cf + cs, a);
         }
-    for (int i = 0; i < 3; ++i)
+    for (int i = 0; i < NR; ++i)
         for (int j = 0; j < 4; ++j) // accumulator j = 2 blk + v: its codes sit 8 blk + 2 v bits higher
         {
             static constexpr float kBack[4] = {dnPow2(kDN_PRODUCT_EXP), dnPow2(kDN_PRODUCT_EXP - 2),

@@ -71,20 +71,20 @@ struct S
             r = r && __builtin_fabsf(loadScalar(base, idx + e, dtype)) < kDN_OPERAND_LIMIT;
         return r;
     }
-    template <int D>
-    static void keyTileDn3(const int32_t* tw, const float* qs, const float* cz, float* scores, int64_t stride)
+    template <int D, int NR>
+    static void keyTileDn(const int32_t* tw, const float* qs, const float* cz, float* scores, int64_t stride)
     {
-        dnKeyTile3<D>(tw, qs, cz, scores, stride);
+        dnKeyTile<D, NR>(tw, qs, cz, scores, stride);
     }
-    template <int D>
-    static void valueBlockDn3(const int32_t* tw, int nt, int k, const float* coef, int ng, int64_t cs, float* acc)
+    template <int D, int NR>
+    static void valueBlockDn(const int32_t* tw, int nt, int k, const float* coef, int ng, int64_t cs, float* acc)
     {
         if (ng == 1)
-            dnValueBlock3<D, 1>(tw, nt, k, coef, cs, acc);
+            dnValueBlock<D, 1, NR>(tw, nt, k, coef, cs, acc);
         else if (ng == 2)
-            dnValueBlock3<D, 2>(tw, nt, k, coef, cs, acc);
+            dnValueBlock<D, 2, NR>(tw, nt, k, coef, cs, acc);
         else
-            dnValueBlock3<D, 4>(tw, nt, k, coef, cs, acc);
+            dnValueBlock<D, 4, NR>(tw, nt, k, coef, cs, acc);
     }
     static float keyScaleFactor(int n) { return dnKeyScaleFactor(n); }
     static float valueTokenFactor(int t) { return dnValueTokenFactor(t); }

@@ -52,6 +52,9 @@ static inline float expScalar(float x)
     return y * bitsF32((f32Bits(t) + 127u) << 23); // t's bits are 0x4B400000 + n; the shift drops the 0x4B4
 }
 
+// Row block of the subnormal decode (kiviCpuDenormal2.h: kernels for 3 and 2 rows): 0 if `rows` is neither's multiple
+constexpr int dnRowBlock(int rows) { return rows % 3 == 0 ? 3 : rows % 2 == 0 ? 2 : 0; }
+
 // T as a type that depends on a template parameter: members only some ISAs' S have (kDENORMAL2's) are then looked up
 // at instantiation, inside `if constexpr`.
 template <class T, int>
@@ -381,12 +384,12 @@ struct Attn
         bool dot8 = false; // integer dot products (S::kDOT8, 2-bit keys) unless a row is not finite
         if constexpr (S::kDOT8 && BITS == 2)
             dot8 = keyPrepRows(rows, s);
-        // subnormal decode (S::kDENORMAL2: 2-bit keys, row blocks of 3): qs carries keyScaleFactor per channel (exact,
+        // subnormal decode (S::kDENORMAL2: 2-bit keys, row blocks of 3 or 2): qs carries keyScaleFactor per channel (exact,
         // a power of two), unless a scaled qs is not finite (then qs is recomputed plain and the fp32 path runs)
         bool dn = false;
         if constexpr (S::kDENORMAL2 && BITS == 2)
         {
-            dn = rows % 3 == 0 && !dot8;
+            dn = dnRowBlock(rows) != 0 && !dot8;
             for (int n = 0; n < NV && dn; ++n)
                 S::store(ksc + n * W, S::mul(S::load(ksc + n * W), S::set1(Dependent<S, BITS>::type::keyScaleFactor(n))));
         }
@@ -431,9 +434,16 @@ struct Attn
             if constexpr (S::kDENORMAL2 && BITS == 2)
                 if (dn)
                 {
-                    for (int r0 = 0; r0 < rows; r0 += 3)
-                        Dependent<S, BITS>::type::template keyTileDn3<D>(tw, s.qs + r0 * D, s.cz + r0,
-                            s.scores + int64_t(r0) * scoreStride() + (t1 - a), scoreStride());
+                    using X = typename Dependent<S, BITS>::type;
+                    const int nb = dnRowBlock(rows);
+                    for (int r0 = 0; r0 < rows; r0 += nb)
+                    {
+                        float* sc = s.scores + int64_t(r0) * scoreStride() + (t1 - a);
+                        if (nb == 3)
+                            X::template keyTileDn<D, 3>(tw, s.qs + r0 * D, s.cz + r0, sc, scoreStride());
+                        else
+                            X::template keyTileDn<D, 2>(tw, s.qs + r0 * D, s.cz + r0, sc, scoreStride());
+                    }
                     continue;
                 }
             for (int r0 = 0; r0 < rows; r0 += RB)
@@ -733,12 +743,19 @@ struct Attn
         const int ng = D / c.Gv;
         const int64_t cs = int64_t(ng) * scoreStride();
         if constexpr (S::kDENORMAL2 && BITS == 2)
-            if (dn) // row blocks of 3 (splitPartial checked rows % 3 == 0)
+            if (dn) // row blocks of dnRowBlock(rows) (splitPartial checked it is not 0)
             {
+                using X = typename Dependent<S, BITS>::type;
+                const int nb = dnRowBlock(rows), nt = (qend - qa) / 16;
                 for (int k = 0; k < D / 32; ++k)
-                    for (int r0 = 0; r0 < rows; r0 += 3)
-                        Dependent<S, BITS>::type::template valueBlockDn3<D>(s.tw, (qend - qa) / 16, k, s.coef + r0 * cs + 32 * k / c.Gv, ng,
-                            cs, s.acc + r0 * D);
+                    for (int r0 = 0; r0 < rows; r0 += nb)
+                    {
+                        const float* coef = s.coef + r0 * cs + 32 * k / c.Gv;
+                        if (nb == 3)
+                            X::template valueBlockDn<D, 3>(s.tw, nt, k, coef, ng, cs, s.acc + r0 * D);
+                        else
+                            X::template valueBlockDn<D, 2>(s.tw, nt, k, coef, ng, cs, s.acc + r0 * D);
+                    }
                 return;
             }
         for (int k = 0; k < D / (16 * VNB); ++k)
@@ -891,7 +908,7 @@ struct Attn
             // subnormal decode for 2-bit values (S::kDENORMAL2) per head, unless a value scale is too large
             bool dn[kMAX_HEADS_PER_PASS] = {};
             if constexpr (S::kDENORMAL2)
-                if (c.vBits == 2 && rows % 3 == 0)
+                if (c.vBits == 2 && dnRowBlock(rows) != 0)
                     for (int g = g0; g < g1; ++g)
                         dn[g - g0] = valueScalesBelowLimit(c, sp, g, qa, qend);
             for (int t = qa; t < qend; t = blockEnd(t))
