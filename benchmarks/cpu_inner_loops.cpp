@@ -1,12 +1,13 @@
-// How close the AVX2 path's two inner loops (plugins/cpu/src/kiviCpuKernel.h) come to the core's FMA peak: the
+// How close the AVX2 paths' two inner loops (plugins/cpu/src/kiviCpuKernel.h) come to the core's FMA peak: the
 // quantized-key scores of one 16-token tile (keyTile<2, NR>) and the 2-bit value accumulation over it (valueBlock, every
-// 32-channel block, the op's row blocks), on L1-resident scratch as the op stages it, for the decode rows of a GQA group
+// 32-channel block, the op's row blocks), for the `avx2` decode (shift, mask, convert) and the `avx2denormal` one
+// (keyTileDn / valueBlockDn, kiviCpuDenormal2.h: one AND, row blocks of 3 or 2), on L1-resident scratch as the op stages it, for the decode rows of a GQA group
 // (SmolLM2: D 64, 3 rows; Llama-3-8B: D 128, 4 rows). Both loops do NR D 16 / 8 fp32 FMAs per tile; the floor assumes
 // two 8-wide FMAs per cycle (Zen 3, Intel since Haswell). The core clock is measured in the same run by a dependent
 // add chain (1 cycle per add). Prints JSON (benchmarks/results/cpu_inner_loops_avx2.json):
 //
 //   bash build_scripts/build_cpu_kernels.sh --bench && build/cpu/kivi_cpu_inner_loops
-#include "kiviCpuIsaAvx2.cpp"
+#include "kiviCpuIsaAvx2Denormal.cpp" // the avx2 kernels and the avx2denormal ones (same S, same flags)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -15,7 +16,8 @@
 #include <string>
 #include <vector>
 
-using namespace trtllm_kivi::cpu::avx2::kernel;
+using namespace trtllm_kivi::cpu::avx2denormal::kernel;
+using Isa = trtllm_kivi::cpu::avx2denormal::S;
 
 template <class Fn>
 static double bestSeconds(Fn fn)
@@ -84,11 +86,35 @@ static void measure(double ghz, bool last)
             asm volatile("" ::: "memory");
         }
     });
-    const double floor = NR * D * 16 / 8 / 2.0, tiles = double(reps) * NT;
-    const double kc = keys / tiles * ghz * 1e9, vc = values / tiles * ghz * 1e9;
+    constexpr int NB = dnRowBlock(NR);
+    const double keysDn = bestSeconds([&] {
+        for (int r = 0; r < reps; ++r)
+            for (int t = 0; t < NT; ++t)
+            {
+                for (int r0 = 0; r0 < NR; r0 += NB)
+                    Isa::template keyTileDn<D, NB>(tw.data() + t * TILE_WORDS, qs.data() + r0 * D, cz.data() + r0,
+                        scores.data() + r0 * A::scoreStride() + 16 * t, A::scoreStride());
+                asm volatile("" ::: "memory");
+            }
+    });
+    const double valuesDn = bestSeconds([&] {
+        for (int r = 0; r < reps; ++r)
+        {
+            for (int k = 0; k < D / 32; ++k) // as valuesAccumulate's dn branch
+                for (int r0 = 0; r0 < NR; r0 += NB)
+                    Isa::template valueBlockDn<D, NB>(tw.data(), NT, k, coef.data() + r0 * cs + k, NG, cs,
+                        acc.data() + r0 * D);
+            asm volatile("" ::: "memory");
+        }
+    });
+    const double floor = NR * D * 16 / 8 / 2.0, tiles = double(reps) * NT, cyc = ghz * 1e9 / tiles;
+    const double kc = keys * cyc, vc = values * cyc, kd = keysDn * cyc, vd = valuesDn * cyc;
     std::printf("  {\"head_dim\": %d, \"rows\": %d, \"fma_floor_cycles_per_tile\": %.0f,\n", D, NR, floor);
-    std::printf("   \"keyTile_cycles_per_tile\": %.1f, \"keyTile_over_floor\": %.2f,\n", kc, kc / floor);
-    std::printf("   \"valueBlock_cycles_per_tile\": %.1f, \"valueBlock_over_floor\": %.2f}%s\n", vc, vc / floor,
+    std::printf("   \"avx2\": {\"keyTile_cycles_per_tile\": %.1f, \"keyTile_over_floor\": %.2f, ", kc, kc / floor);
+    std::printf("\"valueBlock_cycles_per_tile\": %.1f, \"valueBlock_over_floor\": %.2f},\n", vc, vc / floor);
+    std::printf("   \"avx2denormal\": {\"row_block\": %d, \"keyTileDn_cycles_per_tile\": %.1f, \"keyTileDn_over_floor\": "
+                "%.2f, ", NB, kd, kd / floor);
+    std::printf("\"valueBlockDn_cycles_per_tile\": %.1f, \"valueBlockDn_over_floor\": %.2f}}%s\n", vd, vd / floor,
         last ? "" : ",");
 }
 
@@ -109,7 +135,7 @@ int main()
         return 1;
     }
     const double ghz = clockGhz();
-    std::printf("{\"benchmark\": \"cpu_inner_loops\", \"path\": \"avx2\", \"cpu_model\": \"%s\", \"compiler\": \"g++ %s\",\n",
+    std::printf("{\"benchmark\": \"cpu_inner_loops\", \"paths\": [\"avx2\", \"avx2denormal\"], \"cpu_model\": \"%s\", \"compiler\": \"g++ %s\",\n",
         cpuModel().c_str(), __VERSION__);
     std::printf(" \"core_clock_ghz_measured\": %.2f,\n", ghz);
     std::printf(" \"unit\": \"core cycles per 16-token tile, L1-resident, 1 thread, best of 7\",\n \"shapes\": [\n");
