@@ -30,48 +30,38 @@ alignas(32) static const int32_t kDnMask2[8][8] = {
 #undef KIVI_DN_R8
 
 // One step: the codes of masks M0, M1 of the word set in ymm12 (ymm13, ymm15), times the coefficient at byte offset
-// OFF of each of 3 row pointers (broadcast into ymm14), into the accumulator pairs (T0A, T0B) .. (T2A, T2B).
-#define KIVI_DN_STEP3(OFF, M0, M1, T0A, T0B, T1A, T1B, T2A, T2B)                                                    \
+// OFF of each row pointer p0, p1 (, p2) (broadcast into ymm14), into the accumulator pairs (T0A, T0B), (T1A, T1B)
+// (, (T2A, T2B)). KIVI_DN_STEP2 serves row counts divisible by 2 but not by 3.
+#define KIVI_DN_CODES(M0, M1)                                                                                       \
     "vpand " #M0 "*32(%[m]), %%ymm12, %%ymm13\n\t"                                                                  \
-    "vpand " #M1 "*32(%[m]), %%ymm12, %%ymm15\n\t"                                                                  \
-    "vbroadcastss " OFF "(%[p0]), %%ymm14\n\t"                                                                      \
-    "vfmadd231ps %%ymm14, %%ymm13, %[" #T0A "]\n\t"                                                                 \
-    "vfmadd231ps %%ymm14, %%ymm15, %[" #T0B "]\n\t"                                                                 \
-    "vbroadcastss " OFF "(%[p1]), %%ymm14\n\t"                                                                      \
-    "vfmadd231ps %%ymm14, %%ymm13, %[" #T1A "]\n\t"                                                                 \
-    "vfmadd231ps %%ymm14, %%ymm15, %[" #T1B "]\n\t"                                                                 \
-    "vbroadcastss " OFF "(%[p2]), %%ymm14\n\t"                                                                      \
-    "vfmadd231ps %%ymm14, %%ymm13, %[" #T2A "]\n\t"                                                                 \
-    "vfmadd231ps %%ymm14, %%ymm15, %[" #T2B "]\n\t"
-
-// The same step for 2 row pointers (accumulator pairs (T0A, T0B), (T1A, T1B)): row counts divisible by 2, not 3.
+    "vpand " #M1 "*32(%[m]), %%ymm12, %%ymm15\n\t"
+#define KIVI_DN_ROW(OFF, P, TA, TB)                                                                                 \
+    "vbroadcastss " OFF "(%[" #P "]), %%ymm14\n\t"                                                                  \
+    "vfmadd231ps %%ymm14, %%ymm13, %[" #TA "]\n\t"                                                                  \
+    "vfmadd231ps %%ymm14, %%ymm15, %[" #TB "]\n\t"
 #define KIVI_DN_STEP2(OFF, M0, M1, T0A, T0B, T1A, T1B)                                                              \
-    "vpand " #M0 "*32(%[m]), %%ymm12, %%ymm13\n\t"                                                                  \
-    "vpand " #M1 "*32(%[m]), %%ymm12, %%ymm15\n\t"                                                                  \
-    "vbroadcastss " OFF "(%[p0]), %%ymm14\n\t"                                                                      \
-    "vfmadd231ps %%ymm14, %%ymm13, %[" #T0A "]\n\t"                                                                 \
-    "vfmadd231ps %%ymm14, %%ymm15, %[" #T0B "]\n\t"                                                                 \
-    "vbroadcastss " OFF "(%[p1]), %%ymm14\n\t"                                                                      \
-    "vfmadd231ps %%ymm14, %%ymm13, %[" #T1A "]\n\t"                                                                 \
-    "vfmadd231ps %%ymm14, %%ymm15, %[" #T1B "]\n\t"
+    KIVI_DN_CODES(M0, M1) KIVI_DN_ROW(OFF, p0, T0A, T0B) KIVI_DN_ROW(OFF, p1, T1A, T1B)
+#define KIVI_DN_STEP3(OFF, M0, M1, T0A, T0B, T1A, T1B, T2A, T2B)                                                    \
+    KIVI_DN_STEP2(OFF, M0, M1, T0A, T0B, T1A, T1B) KIVI_DN_ROW(OFF, p2, T2A, T2B)
 
 // Keys, one word set w (tq, j) of a transposed tile: step (h, pp) is channel 8 pp + h of the row pointers (which point
 // at channel 32 j + 2 tq), masks 2 pp, 2 pp + 1 (token vectors v = 0, 1: tokens gq, 8 + gq); accumulator set pp & 1
-// so consecutive steps feed different chains (FMA latency 4-5 cycles).
+// so consecutive steps feed different chains (FMA latency 4-5 cycles). KSTEP(OFF, M0, M1, set) is one step.
 // The asm is volatile and the callers put a compiler barrier before their loops: it reads memory GCC is not told of.
+#define KIVI_DN_KEY_STEPS(KSTEP)                                                                                    \
+    "vmovdqu (%[w]), %%ymm12\n\t"                                                                                   \
+    KSTEP("0", 0, 1, 0) KSTEP("32", 2, 3, 1) KSTEP("64", 4, 5, 0) KSTEP("96", 6, 7, 1)                              \
+    "vpsrld $16, %%ymm12, %%ymm12\n\t"                                                                              \
+    KSTEP("4", 0, 1, 0) KSTEP("36", 2, 3, 1) KSTEP("68", 4, 5, 0) KSTEP("100", 6, 7, 1)
+// accumulator a<set><row><v>
+#define KIVI_DN_KSTEP3(OFF, M0, M1, S)                                                                              \
+    KIVI_DN_STEP3(OFF, M0, M1, a##S##00, a##S##01, a##S##10, a##S##11, a##S##20, a##S##21)
+#define KIVI_DN_KSTEP2(OFF, M0, M1, S) KIVI_DN_STEP2(OFF, M0, M1, a##S##00, a##S##01, a##S##10, a##S##11)
+
 __attribute__((always_inline)) static inline void dnKeyWords3(const int32_t* w, const float* p0, const float* p1,
     const float* p2, __m256 (&a)[2][3][2])
 {
-    asm volatile("vmovdqu (%[w]), %%ymm12\n\t"
-        KIVI_DN_STEP3("0", 0, 1, a000, a001, a010, a011, a020, a021)
-        KIVI_DN_STEP3("32", 2, 3, a100, a101, a110, a111, a120, a121)
-        KIVI_DN_STEP3("64", 4, 5, a000, a001, a010, a011, a020, a021)
-        KIVI_DN_STEP3("96", 6, 7, a100, a101, a110, a111, a120, a121)
-        "vpsrld $16, %%ymm12, %%ymm12\n\t"
-        KIVI_DN_STEP3("4", 0, 1, a000, a001, a010, a011, a020, a021)
-        KIVI_DN_STEP3("36", 2, 3, a100, a101, a110, a111, a120, a121)
-        KIVI_DN_STEP3("68", 4, 5, a000, a001, a010, a011, a020, a021)
-        KIVI_DN_STEP3("100", 6, 7, a100, a101, a110, a111, a120, a121)
+    asm volatile(KIVI_DN_KEY_STEPS(KIVI_DN_KSTEP3)
         : [a000] "+x"(a[0][0][0]), [a001] "+x"(a[0][0][1]), [a010] "+x"(a[0][1][0]), [a011] "+x"(a[0][1][1]),
         [a020] "+x"(a[0][2][0]), [a021] "+x"(a[0][2][1]), [a100] "+x"(a[1][0][0]), [a101] "+x"(a[1][0][1]),
         [a110] "+x"(a[1][1][0]), [a111] "+x"(a[1][1][1]), [a120] "+x"(a[1][2][0]), [a121] "+x"(a[1][2][1])
@@ -83,16 +73,7 @@ __attribute__((always_inline)) static inline void dnKeyWords3(const int32_t* w, 
 __attribute__((always_inline)) static inline void dnKeyWords2(const int32_t* w, const float* p0, const float* p1,
     __m256 (&a)[2][2][2])
 {
-    asm volatile("vmovdqu (%[w]), %%ymm12\n\t"
-        KIVI_DN_STEP2("0", 0, 1, a000, a001, a010, a011)
-        KIVI_DN_STEP2("32", 2, 3, a100, a101, a110, a111)
-        KIVI_DN_STEP2("64", 4, 5, a000, a001, a010, a011)
-        KIVI_DN_STEP2("96", 6, 7, a100, a101, a110, a111)
-        "vpsrld $16, %%ymm12, %%ymm12\n\t"
-        KIVI_DN_STEP2("4", 0, 1, a000, a001, a010, a011)
-        KIVI_DN_STEP2("36", 2, 3, a100, a101, a110, a111)
-        KIVI_DN_STEP2("68", 4, 5, a000, a001, a010, a011)
-        KIVI_DN_STEP2("100", 6, 7, a100, a101, a110, a111)
+    asm volatile(KIVI_DN_KEY_STEPS(KIVI_DN_KSTEP2)
         : [a000] "+x"(a[0][0][0]), [a001] "+x"(a[0][0][1]), [a010] "+x"(a[0][1][0]), [a011] "+x"(a[0][1][1]),
         [a100] "+x"(a[1][0][0]), [a101] "+x"(a[1][0][1]), [a110] "+x"(a[1][1][0]), [a111] "+x"(a[1][1][1])
         : [w] "r"(w), [m] "r"(kDnMask2), [p0] "r"(p0), [p1] "r"(p1)
@@ -102,20 +83,22 @@ __attribute__((always_inline)) static inline void dnKeyWords2(const int32_t* w, 
 // Values, word set w (tq, k) of a transposed tile (channels 32 k ..): step (h, e) is token 8 (e & 1) + h of the row
 // pointers (at token 2 tq; NG floats per token), masks 2 e, 2 e + 1 into accumulators 2 (e >> 1) + {0, 1} (channels
 // 32 k + 16 (e >> 1) + 8 v + gq); e ordered 0 2 1 3 so consecutive steps feed different chains.
+// VSTEP(OFF, M0, M1, J0, J1) is one step into accumulators J0, J1 of each row.
+#define KIVI_DN_VALUE_STEPS(VSTEP)                                                                                  \
+    "vmovdqu (%[w]), %%ymm12\n\t"                                                                                   \
+    VSTEP("0", 0, 1, 0, 1) VSTEP("0", 4, 5, 2, 3) VSTEP("32*%c[ng]", 2, 3, 0, 1) VSTEP("32*%c[ng]", 6, 7, 2, 3)     \
+    "vpsrld $16, %%ymm12, %%ymm12\n\t"                                                                              \
+    VSTEP("4*%c[ng]", 0, 1, 0, 1) VSTEP("4*%c[ng]", 4, 5, 2, 3) VSTEP("36*%c[ng]", 2, 3, 0, 1)                      \
+    VSTEP("36*%c[ng]", 6, 7, 2, 3)
+// accumulator a<row><j>
+#define KIVI_DN_VSTEP3(OFF, M0, M1, J0, J1) KIVI_DN_STEP3(OFF, M0, M1, a0##J0, a0##J1, a1##J0, a1##J1, a2##J0, a2##J1)
+#define KIVI_DN_VSTEP2(OFF, M0, M1, J0, J1) KIVI_DN_STEP2(OFF, M0, M1, a0##J0, a0##J1, a1##J0, a1##J1)
+
 template <int NG>
 __attribute__((always_inline)) static inline void dnValueWords3(const int32_t* w, const float* p0, const float* p1,
     const float* p2, __m256 (&a)[3][4])
 {
-    asm volatile("vmovdqu (%[w]), %%ymm12\n\t"
-        KIVI_DN_STEP3("0", 0, 1, a00, a01, a10, a11, a20, a21)
-        KIVI_DN_STEP3("0", 4, 5, a02, a03, a12, a13, a22, a23)
-        KIVI_DN_STEP3("32*%c[ng]", 2, 3, a00, a01, a10, a11, a20, a21)
-        KIVI_DN_STEP3("32*%c[ng]", 6, 7, a02, a03, a12, a13, a22, a23)
-        "vpsrld $16, %%ymm12, %%ymm12\n\t"
-        KIVI_DN_STEP3("4*%c[ng]", 0, 1, a00, a01, a10, a11, a20, a21)
-        KIVI_DN_STEP3("4*%c[ng]", 4, 5, a02, a03, a12, a13, a22, a23)
-        KIVI_DN_STEP3("36*%c[ng]", 2, 3, a00, a01, a10, a11, a20, a21)
-        KIVI_DN_STEP3("36*%c[ng]", 6, 7, a02, a03, a12, a13, a22, a23)
+    asm volatile(KIVI_DN_VALUE_STEPS(KIVI_DN_VSTEP3)
         : [a00] "+x"(a[0][0]), [a01] "+x"(a[0][1]), [a02] "+x"(a[0][2]), [a03] "+x"(a[0][3]), [a10] "+x"(a[1][0]),
         [a11] "+x"(a[1][1]), [a12] "+x"(a[1][2]), [a13] "+x"(a[1][3]), [a20] "+x"(a[2][0]), [a21] "+x"(a[2][1]),
         [a22] "+x"(a[2][2]), [a23] "+x"(a[2][3])
@@ -128,23 +111,22 @@ template <int NG>
 __attribute__((always_inline)) static inline void dnValueWords2(const int32_t* w, const float* p0, const float* p1,
     __m256 (&a)[2][4])
 {
-    asm volatile("vmovdqu (%[w]), %%ymm12\n\t"
-        KIVI_DN_STEP2("0", 0, 1, a00, a01, a10, a11)
-        KIVI_DN_STEP2("0", 4, 5, a02, a03, a12, a13)
-        KIVI_DN_STEP2("32*%c[ng]", 2, 3, a00, a01, a10, a11)
-        KIVI_DN_STEP2("32*%c[ng]", 6, 7, a02, a03, a12, a13)
-        "vpsrld $16, %%ymm12, %%ymm12\n\t"
-        KIVI_DN_STEP2("4*%c[ng]", 0, 1, a00, a01, a10, a11)
-        KIVI_DN_STEP2("4*%c[ng]", 4, 5, a02, a03, a12, a13)
-        KIVI_DN_STEP2("36*%c[ng]", 2, 3, a00, a01, a10, a11)
-        KIVI_DN_STEP2("36*%c[ng]", 6, 7, a02, a03, a12, a13)
+    asm volatile(KIVI_DN_VALUE_STEPS(KIVI_DN_VSTEP2)
         : [a00] "+x"(a[0][0]), [a01] "+x"(a[0][1]), [a02] "+x"(a[0][2]), [a03] "+x"(a[0][3]), [a10] "+x"(a[1][0]),
         [a11] "+x"(a[1][1]), [a12] "+x"(a[1][2]), [a13] "+x"(a[1][3])
         : [w] "r"(w), [m] "r"(kDnMask2), [p0] "r"(p0), [p1] "r"(p1), [ng] "i"(NG)
         : "xmm12", "xmm13", "xmm14", "xmm15");
 }
+#undef KIVI_DN_VSTEP2
+#undef KIVI_DN_VSTEP3
+#undef KIVI_DN_VALUE_STEPS
+#undef KIVI_DN_KSTEP2
+#undef KIVI_DN_KSTEP3
+#undef KIVI_DN_KEY_STEPS
 #undef KIVI_DN_STEP3
 #undef KIVI_DN_STEP2
+#undef KIVI_DN_ROW
+#undef KIVI_DN_CODES
 
 // 2^e as a float (e in the normal range)
 constexpr float dnPow2(int e)
