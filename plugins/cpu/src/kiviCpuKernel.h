@@ -241,6 +241,24 @@ struct Attn
         }
     }
 
+    // fn(idx, n) over head g's value-scale entries of the quantized span [qa, qend), one run per block (n = tokens x
+    // D / Gv entries from store index idx); false as soon as fn is.
+    template <class Fn>
+    static bool allValueScaleRuns(const Ctx& c, const SeqPlan& sp, int g, int qa, int qend, Fn fn)
+    {
+        const int ng = D / c.Gv;
+        for (int t = qa; t < qend;)
+        {
+            const int jq = t - sp.sink;
+            const int t1 = imin(qend, t + (c.BS - jq % c.BS));
+            const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + jq / c.BS];
+            if (!fn(((int64_t(blk) * c.Hkv + g) * c.BS + jq % c.BS) * ng, (t1 - t) * ng))
+                return false;
+            t = t1;
+        }
+        return true;
+    }
+
     // kDOT8 paths (S's integer dot products; X defers the lookup of S's members to instantiation, which only the
     // ISAs with kDOT8 reach).
     template <class X = S>
@@ -279,16 +297,10 @@ struct Attn
     {
         const int ng = D / c.Gv;
         float f[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int t = qa; t < qend;)
-        {
-            const int jq = t - sp.sink;
-            const int t1 = imin(qend, t + (c.BS - jq % c.BS));
-            const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + jq / c.BS];
-            const int64_t idx = ((int64_t(blk) * c.Hkv + g) * c.BS + jq % c.BS) * ng;
-            if (!X::maxNonNegative(c.vScale, idx, (t1 - t) * ng, c.scaleDtype, ng, f))
-                return false;
-            t = t1;
-        }
+        if (!allValueScaleRuns(c, sp, g, qa, qend, [&](int64_t idx, int n) {
+                return X::maxNonNegative(c.vScale, idx, n, c.scaleDtype, ng, f);
+            }))
+            return false;
         for (int gi = 0; gi < ng; ++gi)
         {
             if (f[gi] != 0.0f && f[gi] < 1e-30f)
@@ -304,18 +316,8 @@ struct Attn
     template <class X = S>
     static bool valueScalesBelowLimit(const Ctx& c, const SeqPlan& sp, int g, int qa, int qend)
     {
-        const int ng = D / c.Gv;
-        for (int t = qa; t < qend;)
-        {
-            const int jq = t - sp.sink;
-            const int t1 = imin(qend, t + (c.BS - jq % c.BS));
-            const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + jq / c.BS];
-            const int64_t idx = ((int64_t(blk) * c.Hkv + g) * c.BS + jq % c.BS) * ng;
-            if (!X::absBelowLimit(c.vScale, idx, (t1 - t) * ng, c.scaleDtype))
-                return false;
-            t = t1;
-        }
-        return true;
+        return allValueScaleRuns(c, sp, g, qa, qend,
+            [&](int64_t idx, int n) { return X::absBelowLimit(c.vScale, idx, n, c.scaleDtype); });
     }
 
     // acc += coef_t * code_t over the staged 2-bit span [qa, qend) as valuesAccumulate, from the digits valuesStage
@@ -681,6 +683,20 @@ struct Attn
         }
     }
 
+    // stageCoefs for a row block of nr (1..4) rows
+    template <bool DN>
+    static void stageCoefRows(int nr, const Ctx& c, int64_t idx, int n, int ng, const float* p, float* coef,
+        float* zacc)
+    {
+        switch (nr)
+        {
+        case 1: stageCoefs<1, DN>(c, idx, n, ng, p, coef, zacc); break;
+        case 2: stageCoefs<2, DN>(c, idx, n, ng, p, coef, zacc); break;
+        case 3: stageCoefs<3, DN>(c, idx, n, ng, p, coef, zacc); break;
+        default: stageCoefs<4, DN>(c, idx, n, ng, p, coef, zacc); break;
+        }
+    }
+
     // Stage per-token quantized values t in [t0, t1) (whole tiles of one block) of the span starting at qa:
     // coef = p_t * scale per token and group, zacc += sum_t p_t * zero per group (added once at the end of the split),
     // and the transposed tiles. Every store byte of the values is read here (valuesAccumulate reads scratch only).
@@ -700,25 +716,13 @@ struct Attn
             float* cf = s.coef + int64_t(r0) * ng * scoreStride() + (t0 - qa) * ng;
             float* zacc = s.zacc + r0 * 8;
             const int nr = imin(RB, rows - r0), n = (t1 - t0) * ng;
-            if constexpr (S::kDENORMAL2 && BITS == 2)
+            if constexpr (S::kDENORMAL2 && BITS == 2) // stageCoefs<., true> exists only for these S
                 if (dn)
                 {
-                    switch (nr)
-                    {
-                    case 1: stageCoefs<1, true>(c, idx, n, ng, p, cf, zacc); break;
-                    case 2: stageCoefs<2, true>(c, idx, n, ng, p, cf, zacc); break;
-                    case 3: stageCoefs<3, true>(c, idx, n, ng, p, cf, zacc); break;
-                    default: stageCoefs<4, true>(c, idx, n, ng, p, cf, zacc); break;
-                    }
+                    stageCoefRows<true>(nr, c, idx, n, ng, p, cf, zacc);
                     continue;
                 }
-            switch (nr)
-            {
-            case 1: stageCoefs<1, false>(c, idx, n, ng, p, cf, zacc); break;
-            case 2: stageCoefs<2, false>(c, idx, n, ng, p, cf, zacc); break;
-            case 3: stageCoefs<3, false>(c, idx, n, ng, p, cf, zacc); break;
-            default: stageCoefs<4, false>(c, idx, n, ng, p, cf, zacc); break;
-            }
+            stageCoefRows<false>(nr, c, idx, n, ng, p, cf, zacc);
         }
         constexpr int TILE_WORDS = 16 * D * BITS / 32;
         const int32_t* words = c.vCodes + (int64_t(blk) * c.Hkv + g) * int64_t(c.BS / 16) * TILE_WORDS
