@@ -162,13 +162,13 @@ def test_special_groups_bit_exact(isa) -> None:
 
 @needs_layout
 @pytest.mark.parametrize("case", ["nan_query", "negative_value_scales", "tiny_key_scales", "tiny_value_scales",
-                                  "huge_key_scales", "huge_value_scales"])
+                                  "large_key_scales", "large_value_scales", "huge_key_scales", "huge_value_scales"])
 def test_dot_product_fallbacks(case, isa) -> None:
     """Inputs avx512vnni's integer dot products cannot take go to its fp32 path (per key group / per split and head):
     a NaN query head, negative value scales, scales so small (< 1e-30) that the fixed-point step would underflow.
-    avx2denormal's subnormal decode takes the fp32 path for |q * key scale| or |value scale| >= 2^27 (huge_*: its
-    operands carry 2^100). On every path the result must still match the reference, with the NaN in exactly the
-    head it came from."""
+    avx2denormal's subnormal decode carries 2^100 in its operands: large_* (scales x 1e6) stay finite and take it,
+    huge_* (x 1e12 keys, x 1e20 values) overflow, so that key group / split is scored again by the fp32 path.
+    On every path the result must still match the reference, with the NaN in exactly the head it came from."""
     cfg = KiviConfig(scale_dtype="float32")  # fp16 scales cannot be that small
     run = Run(cfg, 6, 2, 64, torch.float32, slots=2, seed=13)
     run.step([0, 1], [700, 300], isa=isa)  # quantized history over two key splits
@@ -179,11 +179,12 @@ def test_dot_product_fallbacks(case, isa) -> None:
             bufs.k_scale.mul_(1e-33)
         elif case == "tiny_value_scales":
             bufs.v_scale.mul_(1e-32)
-        elif case == "huge_key_scales":
-            bufs.k_scale.view(-1)[::5].mul_(1e9)
-        elif case == "huge_value_scales":
-            bufs.v_scale.view(-1)[::5].mul_(1e9)
-    scale = 1e9 if case == "huge_value_scales" else 1.0  # the history's |v|: the tolerance is relative to it
+        elif case.endswith("_key_scales"):
+            bufs.k_scale.view(-1)[::5].mul_(1e12 if case.startswith("huge") else 1e6)
+        elif case.endswith("_value_scales"):
+            bufs.v_scale.view(-1)[::5].mul_(1e20 if case.startswith("huge") else 1e6)
+    # the history's |v|: the tolerance is relative to it
+    scale = {"large_value_scales": 1e6, "huge_value_scales": 1e20}.get(case, 1.0)
     for chunks in ([1, 1], [1, 1]):
         q, k, v = run.inputs(chunks)
         if case == "nan_query":

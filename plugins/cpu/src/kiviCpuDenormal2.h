@@ -11,8 +11,9 @@
 // Subnormal inputs: AMD Zen multiplies them at full speed (measured: 6.2 cycles per 12 FMAs either way); Intel cores
 // take a microcode assist per subnormal operand, so `auto` picks this path only on AMD. DAZ (denormals-are-zero) would
 // read every code as 0: attendItem clears it for the item and restores MXCSR (FTZ stays: outputs here are normal).
-// Range: operands must stay finite after the 2^(100 - s) scaling: key q * scale and value scales below 2^27 in
-// magnitude (checked per key group / per split; otherwise that group / split takes the fp32 path).
+// Range: operands must stay finite after the 2^(100 - s) scaling. A key group whose scores come out non-finite, or a
+// value split with a non-finite coefficient, is computed again by the fp32 path (Attn::scoresPerChannel,
+// Attn::splitPartial), which gives the true result in every case, NaN and inf inputs included.
 //
 // The inner steps are inline asm because GCC 12 spills the 12 accumulators of the intrinsics version (16 ymm
 // registers: 12 accumulators, the word set, two codes, one broadcast): 350 -> 198 cycles per tile for the values,
@@ -20,7 +21,6 @@
 
 constexpr int kDN_OPERAND_EXP = 100;
 constexpr int kDN_PRODUCT_EXP = 49; // = 149 - kDN_OPERAND_EXP
-constexpr float kDN_OPERAND_LIMIT = 134217728.0f; // 2^27: |key q * scale|, |value scale| below this take the path
 
 // mask m isolates the code at bits [2 m, 2 m + 2)
 alignas(32) static const int32_t kDnMask2[8][8] = {

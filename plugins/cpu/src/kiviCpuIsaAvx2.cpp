@@ -58,19 +58,6 @@ struct S
         if (csr & 0x40u)
             _mm_setcsr(csr);
     }
-    // true if |x| < kDN_OPERAND_LIMIT for the n values of `base` (dtype) from idx (false for NaN)
-    static bool absBelowLimit(const void* base, int64_t idx, int n, int32_t dtype)
-    {
-        const __m256 lim = _mm256_set1_ps(kDN_OPERAND_LIMIT), sign = _mm256_set1_ps(-0.0f);
-        __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-        int e = 0;
-        for (; e + 8 <= n; e += 8)
-            ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_andnot_ps(sign, loadAct(base, idx + e, dtype)), lim, _CMP_LT_OQ));
-        bool r = _mm256_movemask_ps(ok) == 0xFF;
-        for (; e < n; ++e)
-            r = r && __builtin_fabsf(loadScalar(base, idx + e, dtype)) < kDN_OPERAND_LIMIT;
-        return r;
-    }
     template <int D, int NR>
     static void keyTileDn(const int32_t* tw, const float* qs, const float* cz, float* scores, int64_t stride)
     {

@@ -311,15 +311,6 @@ struct Attn
         return true;
     }
 
-    // Whether every value scale of head g's quantized span [qa, qend) is below kDN_OPERAND_LIMIT in magnitude (the
-    // subnormal decode's coefficients carry 2^100: S::kDENORMAL2 only).
-    template <class X = S>
-    static bool valueScalesBelowLimit(const Ctx& c, const SeqPlan& sp, int g, int qa, int qend)
-    {
-        return allValueScaleRuns(c, sp, g, qa, qend,
-            [&](int64_t idx, int n) { return X::absBelowLimit(c.vScale, idx, n, c.scaleDtype); });
-    }
-
     // acc += coef_t * code_t over the staged 2-bit span [qa, qend) as valuesAccumulate, from the digits valuesStage
     // wrote (valueDigitScales was true).
     template <class X = S>
@@ -387,7 +378,8 @@ struct Attn
         if constexpr (S::kDOT8 && BITS == 2)
             dot8 = keyPrepRows(rows, s);
         // subnormal decode (S::kDENORMAL2: 2-bit keys, row blocks of 3 or 2): qs carries keyScaleFactor per channel (exact,
-        // a power of two), unless a scaled qs is not finite (then qs is recomputed plain and the fp32 path runs)
+        // a power of two); if a score comes out non-finite (a scaled qs overflowed, or q, a scale or a zero is not
+        // finite) the group is scored again by the fp32 path, which gives the true result in every case
         bool dn = false;
         if constexpr (S::kDENORMAL2 && BITS == 2)
         {
@@ -398,56 +390,55 @@ struct Attn
         const float* const qf = s.qf;
         float* const qsAll = s.qs;
         float* const czAll = s.cz;
-        float bad = 0.0f; // sum of qs * 0: NaN iff a scaled qs is not finite
         for (int row = 0; row < rows && !dot8; ++row)
         {
             const float* q = qf + row * D;
             float* qs = qsAll + row * D;
-            typename S::F z = S::zero(), zb = S::zero(), b = S::zero(); // two chains for z: half the latency
+            typename S::F z = S::zero(), zb = S::zero(); // two chains for z: half the latency
             for (int n = 0; n < NV; ++n)
             {
                 typename S::F qv = S::load(q + n * W);
-                const typename S::F qsv = S::mul(qv, S::load(ksc + n * W));
-                S::store(qs + n * W, qsv);
-                if (dn)
-                    b = S::fma(qsv, S::zero(), b);
+                S::store(qs + n * W, S::mul(qv, S::load(ksc + n * W)));
                 if (n & 1)
                     zb = S::fma(qv, S::load(kzr + n * W), zb);
                 else
                     z = S::fma(qv, S::load(kzr + n * W), z);
             }
             czAll[row] = S::hsum(S::add(z, zb));
-            if (dn)
-                bad += S::hsum(b);
-        }
-        if (dn && bad != 0.0f) // NaN (or +-inf) somewhere: plain qs for the fp32 path
-        {
-            dn = false;
-            for (int row = 0; row < rows; ++row)
-                for (int n = 0; n < NV; ++n)
-                    S::store(qsAll + row * D + n * W,
-                        S::mul(S::load(qf + row * D + n * W), S::loadAct(kScale, sOff + n * W, sDtype)));
         }
         const int32_t* words = c.kCodes + (int64_t(blk) * c.Hkv + g) * int64_t(c.BS / 16) * TILE_WORDS;
-        for (int t1 = t0; t1 < t0 + c.G; t1 += kK_TILE)
-        {
-            const int32_t* tw = s.tw; // the tile's words, transposed
-            transposeTile<BITS>(words + int64_t((r + t1 - t0) >> 4) * TILE_WORDS, s.tw);
-            if constexpr (S::kDENORMAL2 && BITS == 2)
-                if (dn)
+        if constexpr (S::kDENORMAL2 && BITS == 2)
+            if (dn)
+            {
+                using X = typename Dependent<S, BITS>::type;
+                const int nb = dnRowBlock(rows);
+                for (int t1 = t0; t1 < t0 + c.G; t1 += kK_TILE)
                 {
-                    using X = typename Dependent<S, BITS>::type;
-                    const int nb = dnRowBlock(rows);
+                    transposeTile<BITS>(words + int64_t((r + t1 - t0) >> 4) * TILE_WORDS, s.tw);
                     for (int r0 = 0; r0 < rows; r0 += nb)
                     {
                         float* sc = s.scores + int64_t(r0) * scoreStride() + (t1 - a);
                         if (nb == 3)
-                            X::template keyTileDn<D, 3>(tw, s.qs + r0 * D, s.cz + r0, sc, scoreStride());
+                            X::template keyTileDn<D, 3>(s.tw, s.qs + r0 * D, s.cz + r0, sc, scoreStride());
                         else
-                            X::template keyTileDn<D, 2>(tw, s.qs + r0 * D, s.cz + r0, sc, scoreStride());
+                            X::template keyTileDn<D, 2>(s.tw, s.qs + r0 * D, s.cz + r0, sc, scoreStride());
                     }
-                    continue;
                 }
+                typename S::F bad = S::zero(); // sum of score * 0: NaN iff a score is not finite
+                for (int row = 0; row < rows; ++row)
+                    for (int t = 0; t < c.G; t += W)
+                        bad = S::fma(S::load(s.scores + int64_t(row) * scoreStride() + (t0 - a) + t), S::zero(), bad);
+                if (S::hsum(bad) == 0.0f)
+                    return;
+                for (int row = 0; row < rows; ++row) // plain qs for the fp32 path
+                    for (int n = 0; n < NV; ++n)
+                        S::store(qsAll + row * D + n * W,
+                            S::mul(S::load(qf + row * D + n * W), S::loadAct(kScale, sOff + n * W, sDtype)));
+            }
+        for (int t1 = t0; t1 < t0 + c.G; t1 += kK_TILE)
+        {
+            const int32_t* tw = s.tw; // the tile's words, transposed
+            transposeTile<BITS>(words + int64_t((r + t1 - t0) >> 4) * TILE_WORDS, s.tw);
             for (int r0 = 0; r0 < rows; r0 += RB)
             {
                 const float* qs = s.qs + r0 * D;
@@ -649,9 +640,10 @@ struct Attn
     // coef[row][e] = p_t * scale[e] and zacc[row][gi] += sum_t p_t * zero[e] for NR rows over n store entries from idx
     // (token-major e = (t - t0) ng + gi): W consecutive entries take their p from W / ng tokens (S::spread), so scales
     // need no transpose. p, coef, zacc: row 0's (strides scoreStride, ng scoreStride, 8).
-    // DN (S::kDENORMAL2): the coefficients carry S::valueTokenFactor of their token in the tile (idx is tile-aligned).
+    // DN (S::kDENORMAL2): the coefficients carry S::valueTokenFactor of their token in the tile (idx is tile-aligned);
+    // false if one of them is not finite (a scale near FLT_MAX / 2^100, inf or NaN, or p NaN). Else true.
     template <int NR, bool DN>
-    static void stageCoefs(const Ctx& c, int64_t idx, int n, int ng, const float* p, float* coef, float* zacc)
+    static bool stageCoefs(const Ctx& c, int64_t idx, int n, int ng, const float* p, float* coef, float* zacc)
     {
         const void* const vScale = c.vScale; // locals: the stores below may alias c for the compiler
         const void* const vZero = c.vZero;
@@ -661,6 +653,7 @@ struct Attn
         typename S::F z[NR];
         for (int i = 0; i < NR; ++i)
             z[i] = S::zero();
+        typename S::F bad = S::zero(); // sum of coef * 0: NaN iff a coefficient is not finite (DN only)
         for (int e = 0; e < n; e += W)
         {
             typename S::F sc = S::loadAct(vScale, idx + e, sDtype);
@@ -670,7 +663,10 @@ struct Attn
             for (int i = 0; i < NR; ++i)
             {
                 const typename S::F pv = S::spread(p + int64_t(i) * scoreStride() + (e >> ngShift), ng);
-                S::store(coef + i * cs + e, S::mul(pv, sc));
+                const typename S::F cf = S::mul(pv, sc);
+                S::store(coef + i * cs + e, cf);
+                if constexpr (DN)
+                    bad = S::fma(cf, S::zero(), bad);
                 z[i] = S::fma(pv, zr, z[i]);
             }
         }
@@ -681,19 +677,20 @@ struct Attn
             for (int l = 0; l < W; ++l) // lane l holds group l % ng (ng in {1, 2, 4} divides W)
                 zacc[i * 8 + (l & (ng - 1))] += zl[l];
         }
+        return !DN || S::hsum(bad) == 0.0f;
     }
 
     // stageCoefs for a row block of nr (1..4) rows
     template <bool DN>
-    static void stageCoefRows(int nr, const Ctx& c, int64_t idx, int n, int ng, const float* p, float* coef,
+    static bool stageCoefRows(int nr, const Ctx& c, int64_t idx, int n, int ng, const float* p, float* coef,
         float* zacc)
     {
         switch (nr)
         {
-        case 1: stageCoefs<1, DN>(c, idx, n, ng, p, coef, zacc); break;
-        case 2: stageCoefs<2, DN>(c, idx, n, ng, p, coef, zacc); break;
-        case 3: stageCoefs<3, DN>(c, idx, n, ng, p, coef, zacc); break;
-        default: stageCoefs<4, DN>(c, idx, n, ng, p, coef, zacc); break;
+        case 1: return stageCoefs<1, DN>(c, idx, n, ng, p, coef, zacc);
+        case 2: return stageCoefs<2, DN>(c, idx, n, ng, p, coef, zacc);
+        case 3: return stageCoefs<3, DN>(c, idx, n, ng, p, coef, zacc);
+        default: return stageCoefs<4, DN>(c, idx, n, ng, p, coef, zacc);
         }
     }
 
@@ -701,10 +698,11 @@ struct Attn
     // coef = p_t * scale per token and group, zacc += sum_t p_t * zero per group (added once at the end of the split),
     // and the transposed tiles. Every store byte of the values is read here (valuesAccumulate reads scratch only).
     // dot8 (S::kDOT8, valueDigitScales true): also the rows' digits; returns false if a coefficient is NaN.
-    // dn (S::kDENORMAL2, valueScalesBelowLimit true): coefficients scaled for the subnormal decode.
+    // dn (S::kDENORMAL2): coefficients scaled for the subnormal decode; dnOk is cleared if one is not finite (then
+    // the caller stages the span again without dn).
     template <int BITS>
     static bool valuesStage(const Ctx& c, const SeqPlan& sp, int g, int rows, int qa, int t0, int t1, int a, Scratch& s,
-        bool dot8, bool dn)
+        bool dot8, bool dn, bool& dnOk)
     {
         const int ng = D / c.Gv;
         const int jq = t0 - sp.sink; // store index; [t0, t1) lies in one block
@@ -719,7 +717,7 @@ struct Attn
             if constexpr (S::kDENORMAL2 && BITS == 2) // stageCoefs<., true> exists only for these S
                 if (dn)
                 {
-                    stageCoefRows<true>(nr, c, idx, n, ng, p, cf, zacc);
+                    dnOk = stageCoefRows<true>(nr, c, idx, n, ng, p, cf, zacc) && dnOk;
                     continue;
                 }
             stageCoefRows<false>(nr, c, idx, n, ng, p, cf, zacc);
@@ -909,24 +907,35 @@ struct Attn
                 if (c.vBits == 2)
                     for (int g = g0; g < g1; ++g)
                         dot8[g - g0] = valueDigitScales(c, sp, g, qa, qend, hs[g - g0]);
-            // subnormal decode for 2-bit values (S::kDENORMAL2) per head, unless a value scale is too large
-            bool dn[kMAX_HEADS_PER_PASS] = {};
-            if constexpr (S::kDENORMAL2)
-                if (c.vBits == 2 && dnRowBlock(rows) != 0)
-                    for (int g = g0; g < g1; ++g)
-                        dn[g - g0] = valueScalesBelowLimit(c, sp, g, qa, qend);
+            // subnormal decode for 2-bit values (S::kDENORMAL2) per head, unless a coefficient is not finite
+            bool dn[kMAX_HEADS_PER_PASS] = {}, dnOk[kMAX_HEADS_PER_PASS];
+            for (int g = g0; g < g1; ++g)
+            {
+                dn[g - g0] = S::kDENORMAL2 && c.vBits == 2 && dnRowBlock(rows) != 0;
+                dnOk[g - g0] = true;
+            }
             for (int t = qa; t < qend; t = blockEnd(t))
                 for (int g = g0; g < g1; ++g)
                 {
                     bool& d8 = dot8[g - g0];
+                    bool& ok = dnOk[g - g0];
                     switch (c.vBits)
                     {
-                    case 2:
-                        d8 = valuesStage<2>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0], d8, dn[g - g0]) && d8;
+                    case 2: d8 = valuesStage<2>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0], d8, dn[g - g0], ok)
+                            && d8;
                         break;
-                    case 4: valuesStage<4>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0], false, false); break;
-                    default: valuesStage<8>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0], false, false); break;
+                    case 4: valuesStage<4>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0], false, false, ok); break;
+                    default: valuesStage<8>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0], false, false, ok); break;
                     }
+                }
+            for (int g = g0; g < g1; ++g) // a coefficient too large for the subnormal decode: the span again, fp32
+                if (dn[g - g0] && !dnOk[g - g0])
+                {
+                    dn[g - g0] = false;
+                    for (int i = 0; i < rows * 8; ++i)
+                        hs[g - g0].zacc[i] = 0.0f;
+                    for (int t = qa; t < qend; t = blockEnd(t))
+                        valuesStage<2>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0], false, false, dnOk[g - g0]);
                 }
             for (int g = g0; g < g1; ++g)
             {
