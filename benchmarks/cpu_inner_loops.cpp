@@ -1,7 +1,7 @@
 // How close the AVX2 paths' two inner loops (plugins/cpu/src/kiviCpuKernel.h) come to the core's FMA peak: the
 // quantized-key scores of one 16-token tile (keyTile<2, NR>) and the 2-bit value accumulation over it (valueBlock, every
 // 32-channel block, the op's row blocks), for the `avx2` decode (shift, mask, convert) and the `avx2denormal` one
-// (keyTileDn / valueBlockDn, kiviCpuDenormal2.h: one AND, row blocks of 3 or 2), on L1-resident scratch as the op stages it, for the decode rows of a GQA group
+// (keyTileDn / valueBlockDn, kiviCpuDenormal2.h: one AND, row blocks of 3, then 2 or 1), on L1-resident scratch as the op stages it, for the decode rows of a GQA group
 // (SmolLM2: D 64, 3 rows; Llama-3-8B: D 128, 4 rows). Both loops do NR D 16 / 8 fp32 FMAs per tile; the floor assumes
 // two 8-wide FMAs per cycle (Zen 3, Intel since Haswell). The core clock is measured in the same run by a dependent
 // add chain (1 cycle per add). Prints JSON (benchmarks/results/cpu_inner_loops_avx2.json):
@@ -86,14 +86,18 @@ static void measure(double ghz, bool last)
             asm volatile("" ::: "memory");
         }
     });
-    constexpr int NB = dnRowBlock(NR);
+    // row blocks as the op's (dnRowBlock: 3 first, then 2 or 1): RB0 rows, then RB1 (0: none)
+    constexpr int RB0 = dnRowBlock(NR), RB1 = NR > RB0 ? dnRowBlock(NR - RB0) : 0;
+    static_assert(RB0 + RB1 == NR, "two row blocks cover the shapes measured");
     const double keysDn = bestSeconds([&] {
         for (int r = 0; r < reps; ++r)
             for (int t = 0; t < NT; ++t)
             {
-                for (int r0 = 0; r0 < NR; r0 += NB)
-                    Isa::template keyTileDn<D, NB>(tw.data() + t * TILE_WORDS, qs.data() + r0 * D, cz.data() + r0,
-                        scores.data() + r0 * A::scoreStride() + 16 * t, A::scoreStride());
+                float* sc = scores.data() + 16 * t;
+                Isa::template keyTileDn<D, RB0>(tw.data() + t * TILE_WORDS, qs.data(), cz.data(), sc, A::scoreStride());
+                if constexpr (RB1 > 0)
+                    Isa::template keyTileDn<D, RB1>(tw.data() + t * TILE_WORDS, qs.data() + RB0 * D, cz.data() + RB0,
+                        sc + RB0 * A::scoreStride(), A::scoreStride());
                 asm volatile("" ::: "memory");
             }
     });
@@ -101,9 +105,12 @@ static void measure(double ghz, bool last)
         for (int r = 0; r < reps; ++r)
         {
             for (int k = 0; k < D / 32; ++k) // as valuesAccumulate's dn branch
-                for (int r0 = 0; r0 < NR; r0 += NB)
-                    Isa::template valueBlockDn<D, NB>(tw.data(), NT, k, coef.data() + r0 * cs + k, NG, cs,
-                        acc.data() + r0 * D);
+            {
+                Isa::template valueBlockDn<D, RB0>(tw.data(), NT, k, coef.data() + k, NG, cs, acc.data());
+                if constexpr (RB1 > 0)
+                    Isa::template valueBlockDn<D, RB1>(tw.data(), NT, k, coef.data() + RB0 * cs + k, NG, cs,
+                        acc.data() + RB0 * D);
+            }
             asm volatile("" ::: "memory");
         }
     });
@@ -112,8 +119,8 @@ static void measure(double ghz, bool last)
     std::printf("  {\"head_dim\": %d, \"rows\": %d, \"fma_floor_cycles_per_tile\": %.0f,\n", D, NR, floor);
     std::printf("   \"avx2\": {\"keyTile_cycles_per_tile\": %.1f, \"keyTile_over_floor\": %.2f, ", kc, kc / floor);
     std::printf("\"valueBlock_cycles_per_tile\": %.1f, \"valueBlock_over_floor\": %.2f},\n", vc, vc / floor);
-    std::printf("   \"avx2denormal\": {\"row_block\": %d, \"keyTileDn_cycles_per_tile\": %.1f, \"keyTileDn_over_floor\": "
-                "%.2f, ", NB, kd, kd / floor);
+    std::printf("   \"avx2denormal\": {\"row_blocks\": \"%d%s\", \"keyTileDn_cycles_per_tile\": %.1f, "
+                "\"keyTileDn_over_floor\": %.2f, ", RB0, RB1 ? (RB1 == 2 ? " + 2" : " + 1") : "", kd, kd / floor);
     std::printf("\"valueBlockDn_cycles_per_tile\": %.1f, \"valueBlockDn_over_floor\": %.2f}}%s\n", vd, vd / floor,
         last ? "" : ",");
 }
@@ -140,7 +147,8 @@ int main()
     std::printf(" \"core_clock_ghz_measured\": %.2f,\n", ghz);
     std::printf(" \"unit\": \"core cycles per 16-token tile, L1-resident, 1 thread, best of 7\",\n \"shapes\": [\n");
     measure<64, 3>(ghz, false);
-    measure<128, 4>(ghz, true);
+    measure<128, 4>(ghz, false);
+    measure<128, 1>(ghz, true); // MHA (e.g. Llama-2-7B): one decode row per KV head
     std::printf(" ]}\n");
     return 0;
 }

@@ -57,6 +57,8 @@ alignas(32) static const int32_t kDnMask2[8][8] = {
 #define KIVI_DN_KSTEP3(OFF, M0, M1, S)                                                                              \
     KIVI_DN_STEP3(OFF, M0, M1, a##S##00, a##S##01, a##S##10, a##S##11, a##S##20, a##S##21)
 #define KIVI_DN_KSTEP2(OFF, M0, M1, S) KIVI_DN_STEP2(OFF, M0, M1, a##S##00, a##S##01, a##S##10, a##S##11)
+// 1 row: accumulator set pp = M0 / 2 (a<M0><v>: 4 sets, else 2 chains would take every step)
+#define KIVI_DN_KSTEP1(OFF, M0, M1, S) KIVI_DN_CODES(M0, M1) KIVI_DN_ROW(OFF, p0, a##M0##0, a##M0##1)
 
 __attribute__((always_inline)) static inline void dnKeyWords3(const int32_t* w, const float* p0, const float* p1,
     const float* p2, __m256 (&a)[2][3][2])
@@ -80,6 +82,16 @@ __attribute__((always_inline)) static inline void dnKeyWords2(const int32_t* w, 
         : "xmm12", "xmm13", "xmm14", "xmm15");
 }
 
+// dnKeyWords3 for 1 row (the rest of a row count that 3 does not divide): 4 accumulator sets (8 accumulators)
+__attribute__((always_inline)) static inline void dnKeyWords1(const int32_t* w, const float* p0, __m256 (&a)[4][2])
+{
+    asm volatile(KIVI_DN_KEY_STEPS(KIVI_DN_KSTEP1)
+        : [a00] "+x"(a[0][0]), [a01] "+x"(a[0][1]), [a20] "+x"(a[1][0]), [a21] "+x"(a[1][1]), [a40] "+x"(a[2][0]),
+        [a41] "+x"(a[2][1]), [a60] "+x"(a[3][0]), [a61] "+x"(a[3][1])
+        : [w] "r"(w), [m] "r"(kDnMask2), [p0] "r"(p0)
+        : "xmm12", "xmm13", "xmm14", "xmm15");
+}
+
 // Values, word set w (tq, k) of a transposed tile (channels 32 k ..): step (h, e) is token 8 (e & 1) + h of the row
 // pointers (at token 2 tq; NG floats per token), masks 2 e, 2 e + 1 into accumulators 2 (e >> 1) + {0, 1} (channels
 // 32 k + 16 (e >> 1) + 8 v + gq); e ordered 0 2 1 3 so consecutive steps feed different chains.
@@ -93,6 +105,9 @@ __attribute__((always_inline)) static inline void dnKeyWords2(const int32_t* w, 
 // accumulator a<row><j>
 #define KIVI_DN_VSTEP3(OFF, M0, M1, J0, J1) KIVI_DN_STEP3(OFF, M0, M1, a0##J0, a0##J1, a1##J0, a1##J1, a2##J0, a2##J1)
 #define KIVI_DN_VSTEP2(OFF, M0, M1, J0, J1) KIVI_DN_STEP2(OFF, M0, M1, a0##J0, a0##J1, a1##J0, a1##J1)
+// 1 row: accumulator set by the word half (a<h><j>; OFF starts with 0 / 3 for the low half, 4 for the high one)
+#define KIVI_DN_VSTEP1(OFF, M0, M1, J0, J1)                                                                         \
+    KIVI_DN_CODES(M0, M1) KIVI_DN_ROW(OFF, p0, a##J0, a##J1)
 
 template <int NG>
 __attribute__((always_inline)) static inline void dnValueWords3(const int32_t* w, const float* p0, const float* p1,
@@ -117,11 +132,30 @@ __attribute__((always_inline)) static inline void dnValueWords2(const int32_t* w
         : [w] "r"(w), [m] "r"(kDnMask2), [p0] "r"(p0), [p1] "r"(p1), [ng] "i"(NG)
         : "xmm12", "xmm13", "xmm14", "xmm15");
 }
+// dnValueWords3 for 1 row: two accumulator sets (the word's low / high half), 8 accumulators
+#define KIVI_DN_VALUE_STEPS1                                                                                        \
+    "vmovdqu (%[w]), %%ymm12\n\t"                                                                                   \
+    KIVI_DN_VSTEP1("0", 0, 1, 0, 1) KIVI_DN_VSTEP1("0", 4, 5, 2, 3) KIVI_DN_VSTEP1("32*%c[ng]", 2, 3, 0, 1)         \
+    KIVI_DN_VSTEP1("32*%c[ng]", 6, 7, 2, 3) "vpsrld $16, %%ymm12, %%ymm12\n\t"                                      \
+    KIVI_DN_VSTEP1("4*%c[ng]", 0, 1, 4, 5) KIVI_DN_VSTEP1("4*%c[ng]", 4, 5, 6, 7)                                   \
+    KIVI_DN_VSTEP1("36*%c[ng]", 2, 3, 4, 5) KIVI_DN_VSTEP1("36*%c[ng]", 6, 7, 6, 7)
+template <int NG>
+__attribute__((always_inline)) static inline void dnValueWords1(const int32_t* w, const float* p0, __m256 (&a)[8])
+{
+    asm volatile(KIVI_DN_VALUE_STEPS1
+        : [a0] "+x"(a[0]), [a1] "+x"(a[1]), [a2] "+x"(a[2]), [a3] "+x"(a[3]), [a4] "+x"(a[4]), [a5] "+x"(a[5]),
+        [a6] "+x"(a[6]), [a7] "+x"(a[7])
+        : [w] "r"(w), [m] "r"(kDnMask2), [p0] "r"(p0), [ng] "i"(NG)
+        : "xmm12", "xmm13", "xmm14", "xmm15");
+}
+#undef KIVI_DN_VALUE_STEPS1
+#undef KIVI_DN_VSTEP1
 #undef KIVI_DN_VSTEP2
 #undef KIVI_DN_VSTEP3
 #undef KIVI_DN_VALUE_STEPS
 #undef KIVI_DN_KSTEP2
 #undef KIVI_DN_KSTEP3
+#undef KIVI_DN_KSTEP1
 #undef KIVI_DN_KEY_STEPS
 #undef KIVI_DN_STEP3
 #undef KIVI_DN_STEP2
@@ -155,57 +189,88 @@ static inline float dnValueTokenFactor(int t)
     return kF[(t >> 3) & 1];
 }
 
-// Scores of one transposed 16-token tile `tw` for NR (2 or 3) rows: scores[i][t] = sum_ch qs[i][ch] code(t, ch) + cz[i], qs
+// Scores of one transposed 16-token tile `tw` for NR (1, 2 or 3) rows: scores[i][t] = sum_ch qs[i][ch] code(t, ch) + cz[i], qs
 // scaled by dnKeyScaleFactor per channel.
 template <int D, int NR>
 static void dnKeyTile(const int32_t* tw, const float* qs, const float* cz, float* scores, int64_t stride)
 {
     constexpr int NW = D * 2 / 64;
     asm volatile("" ::: "memory"); // the asm below reads tw and qs: the stores before must be done
-    static_assert(NR == 2 || NR == 3, "row blocks of 2 or 3");
-    __m256 acc[2][NR][2]; // index loops: GCC keeps the array in registers (range-for references put it on the stack)
-    for (int h = 0; h < 2; ++h)
-        for (int i = 0; i < NR; ++i)
-            for (int v = 0; v < 2; ++v)
-                acc[h][i][v] = _mm256_setzero_ps();
-    for (int tq = 0; tq < 4; ++tq)
-        for (int j = 0; j < NW; ++j)
-        {
-            const float* q = qs + 32 * j + 2 * tq;
-            if constexpr (NR == 3)
-                dnKeyWords3(tw + 8 * (tq * NW + j), q, q + D, q + 2 * D, acc);
-            else
-                dnKeyWords2(tw + 8 * (tq * NW + j), q, q + D, acc);
-        }
+    static_assert(NR >= 1 && NR <= 3, "row blocks of 1, 2 or 3");
     static constexpr float kBack0 = dnPow2(kDN_PRODUCT_EXP), kBack1 = dnPow2(kDN_PRODUCT_EXP - 2);
-    for (int i = 0; i < NR; ++i)
-        for (int v = 0; v < 2; ++v) // code vector v sits 2 v bits higher: 2^(2 v) larger
-            _mm256_storeu_ps(scores + i * stride + 8 * v,
-                _mm256_fmadd_ps(_mm256_add_ps(acc[0][i][v], acc[1][i][v]),
-                    _mm256_set1_ps(v ? kBack1 : kBack0), _mm256_set1_ps(cz[i])));
+    if constexpr (NR == 1)
+    {
+        __m256 acc[4][2];
+        for (int h = 0; h < 4; ++h)
+            for (int v = 0; v < 2; ++v)
+                acc[h][v] = _mm256_setzero_ps();
+        for (int tq = 0; tq < 4; ++tq)
+            for (int j = 0; j < NW; ++j)
+                dnKeyWords1(tw + 8 * (tq * NW + j), qs + 32 * j + 2 * tq, acc);
+        for (int v = 0; v < 2; ++v) // the sets in pairs, as the 2-set kernels add theirs
+            _mm256_storeu_ps(scores + 8 * v,
+                _mm256_fmadd_ps(_mm256_add_ps(_mm256_add_ps(acc[0][v], acc[2][v]), _mm256_add_ps(acc[1][v], acc[3][v])),
+                    _mm256_set1_ps(v ? kBack1 : kBack0), _mm256_set1_ps(cz[0])));
+    }
+    else
+    {
+        __m256 acc[2][NR][2]; // index loops: GCC keeps the array in registers (range-for references: on the stack)
+        for (int h = 0; h < 2; ++h)
+            for (int i = 0; i < NR; ++i)
+                for (int v = 0; v < 2; ++v)
+                    acc[h][i][v] = _mm256_setzero_ps();
+        for (int tq = 0; tq < 4; ++tq)
+            for (int j = 0; j < NW; ++j)
+            {
+                const float* q = qs + 32 * j + 2 * tq;
+                if constexpr (NR == 3)
+                    dnKeyWords3(tw + 8 * (tq * NW + j), q, q + D, q + 2 * D, acc);
+                else
+                    dnKeyWords2(tw + 8 * (tq * NW + j), q, q + D, acc);
+            }
+        for (int i = 0; i < NR; ++i)
+            for (int v = 0; v < 2; ++v) // code vector v sits 2 v bits higher: 2^(2 v) larger
+                _mm256_storeu_ps(scores + i * stride + 8 * v,
+                    _mm256_fmadd_ps(_mm256_add_ps(acc[0][i][v], acc[1][i][v]),
+                        _mm256_set1_ps(v ? kBack1 : kBack0), _mm256_set1_ps(cz[i])));
+    }
 }
 
-// acc[i][32 k .. 32 k + 32) += sum over the nt transposed tiles `tw` of coef[i][t] code(t, ch) for NR (2 or 3) rows; coef row
+// acc[i][32 k .. 32 k + 32) += sum over the nt transposed tiles `tw` of coef[i][t] code(t, ch) for NR (1, 2 or 3) rows; coef row
 // stride cs, NG floats per token, scaled by dnValueTokenFactor per token.
 template <int D, int NG, int NR>
 static void dnValueBlock(const int32_t* tw, int nt, int k, const float* coef, int64_t cs, float* acc)
 {
     constexpr int NW = D * 2 / 64, TILE_WORDS = 16 * D * 2 / 32;
     asm volatile("" ::: "memory"); // the asm below reads tw and coef: the stores before must be done
-    static_assert(NR == 2 || NR == 3, "row blocks of 2 or 3");
+    static_assert(NR >= 1 && NR <= 3, "row blocks of 1, 2 or 3");
     __m256 a[NR][4];
-    for (int i = 0; i < NR; ++i)
+    if constexpr (NR == 1)
+    {
+        __m256 a1[8]; // two sets (word halves) of the 4 accumulators
+        for (int j = 0; j < 8; ++j)
+            a1[j] = _mm256_setzero_ps();
+        for (int t = 0; t < nt; ++t, tw += TILE_WORDS, coef += 16 * NG)
+            for (int tq = 0; tq < 4; ++tq)
+                dnValueWords1<NG>(tw + 8 * (tq * NW + k), coef + 2 * tq * NG, a1);
         for (int j = 0; j < 4; ++j)
-            a[i][j] = _mm256_setzero_ps();
-    for (int t = 0; t < nt; ++t, tw += TILE_WORDS, coef += 16 * NG)
-        for (int tq = 0; tq < 4; ++tq)
-        {
-            const float* cf = coef + 2 * tq * NG;
-            if constexpr (NR == 3)
-                dnValueWords3<NG>(tw + 8 * (tq * NW + k), cf, cf + cs, cf + 2 * cs, a);
-            else
-                dnValueWords2<NG>(tw + 8 * (tq * NW + k), cf, cf + cs, a);
-        }
+            a[0][j] = _mm256_add_ps(a1[j], a1[4 + j]);
+    }
+    else
+    {
+        for (int i = 0; i < NR; ++i)
+            for (int j = 0; j < 4; ++j)
+                a[i][j] = _mm256_setzero_ps();
+        for (int t = 0; t < nt; ++t, tw += TILE_WORDS, coef += 16 * NG)
+            for (int tq = 0; tq < 4; ++tq)
+            {
+                const float* cf = coef + 2 * tq * NG;
+                if constexpr (NR == 3)
+                    dnValueWords3<NG>(tw + 8 * (tq * NW + k), cf, cf + cs, cf + 2 * cs, a);
+                else
+                    dnValueWords2<NG>(tw + 8 * (tq * NW + k), cf, cf + cs, a);
+            }
+    }
     for (int i = 0; i < NR; ++i)
         for (int j = 0; j < 4; ++j) // accumulator j = 2 blk + v: its codes sit 8 blk + 2 v bits higher
         {

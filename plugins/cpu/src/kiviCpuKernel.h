@@ -52,8 +52,9 @@ static inline float expScalar(float x)
     return y * bitsF32((f32Bits(t) + 127u) << 23); // t's bits are 0x4B400000 + n; the shift drops the 0x4B4
 }
 
-// Row block of the subnormal decode (kiviCpuDenormal2.h: kernels for 3 and 2 rows): 0 if `rows` is neither's multiple
-constexpr int dnRowBlock(int rows) { return rows % 3 == 0 ? 3 : rows % 2 == 0 ? 2 : 0; }
+// Rows of the subnormal decode's next row block when `left` rows remain (kiviCpuDenormal2.h: kernels for 3, 2 and 1
+// rows; 3 first: its 12 accumulators keep both FMA pipes busy, the 2- and 1-row kernels have 8)
+constexpr int dnRowBlock(int left) { return left >= 3 ? 3 : left; }
 
 // T as a type that depends on a template parameter: members only some ISAs' S have (kDENORMAL2's) are then looked up
 // at instantiation, inside `if constexpr`.
@@ -377,13 +378,13 @@ struct Attn
         bool dot8 = false; // integer dot products (S::kDOT8, 2-bit keys) unless a row is not finite
         if constexpr (S::kDOT8 && BITS == 2)
             dot8 = keyPrepRows(rows, s);
-        // subnormal decode (S::kDENORMAL2: 2-bit keys, row blocks of 3 or 2): qs carries keyScaleFactor per channel (exact,
+        // subnormal decode (S::kDENORMAL2: 2-bit keys, row blocks of 3, 2 or 1): qs carries keyScaleFactor per channel (exact,
         // a power of two); if a score comes out non-finite (a scaled qs overflowed, or q, a scale or a zero is not
         // finite) the group is scored again by the fp32 path, which gives the true result in every case
         bool dn = false;
         if constexpr (S::kDENORMAL2 && BITS == 2)
         {
-            dn = dnRowBlock(rows) != 0 && !dot8;
+            dn = !dot8;
             for (int n = 0; n < NV && dn; ++n)
                 S::store(ksc + n * W, S::mul(S::load(ksc + n * W), S::set1(Dependent<S, BITS>::type::keyScaleFactor(n))));
         }
@@ -411,17 +412,19 @@ struct Attn
             if (dn)
             {
                 using X = typename Dependent<S, BITS>::type;
-                const int nb = dnRowBlock(rows);
                 for (int t1 = t0; t1 < t0 + c.G; t1 += kK_TILE)
                 {
                     transposeTile<BITS>(words + int64_t((r + t1 - t0) >> 4) * TILE_WORDS, s.tw);
-                    for (int r0 = 0; r0 < rows; r0 += nb)
+                    for (int r0 = 0, nb; r0 < rows; r0 += nb)
                     {
                         float* sc = s.scores + int64_t(r0) * scoreStride() + (t1 - a);
+                        nb = dnRowBlock(rows - r0);
                         if (nb == 3)
                             X::template keyTileDn<D, 3>(s.tw, s.qs + r0 * D, s.cz + r0, sc, scoreStride());
-                        else
+                        else if (nb == 2)
                             X::template keyTileDn<D, 2>(s.tw, s.qs + r0 * D, s.cz + r0, sc, scoreStride());
+                        else
+                            X::template keyTileDn<D, 1>(s.tw, s.qs + r0 * D, s.cz + r0, sc, scoreStride());
                     }
                 }
                 typename S::F bad = S::zero(); // sum of score * 0: NaN iff a score is not finite
@@ -745,18 +748,21 @@ struct Attn
         const int ng = D / c.Gv;
         const int64_t cs = int64_t(ng) * scoreStride();
         if constexpr (S::kDENORMAL2 && BITS == 2)
-            if (dn) // row blocks of dnRowBlock(rows) (splitPartial checked it is not 0)
+            if (dn) // row blocks of dnRowBlock
             {
                 using X = typename Dependent<S, BITS>::type;
-                const int nb = dnRowBlock(rows), nt = (qend - qa) / 16;
+                const int nt = (qend - qa) / 16;
                 for (int k = 0; k < D / 32; ++k)
-                    for (int r0 = 0; r0 < rows; r0 += nb)
+                    for (int r0 = 0, nb; r0 < rows; r0 += nb)
                     {
                         const float* coef = s.coef + r0 * cs + 32 * k / c.Gv;
+                        nb = dnRowBlock(rows - r0);
                         if (nb == 3)
                             X::template valueBlockDn<D, 3>(s.tw, nt, k, coef, ng, cs, s.acc + r0 * D);
-                        else
+                        else if (nb == 2)
                             X::template valueBlockDn<D, 2>(s.tw, nt, k, coef, ng, cs, s.acc + r0 * D);
+                        else
+                            X::template valueBlockDn<D, 1>(s.tw, nt, k, coef, ng, cs, s.acc + r0 * D);
                     }
                 return;
             }
@@ -911,7 +917,7 @@ struct Attn
             bool dn[kMAX_HEADS_PER_PASS] = {}, dnOk[kMAX_HEADS_PER_PASS];
             for (int g = g0; g < g1; ++g)
             {
-                dn[g - g0] = S::kDENORMAL2 && c.vBits == 2 && dnRowBlock(rows) != 0;
+                dn[g - g0] = S::kDENORMAL2 && c.vBits == 2;
                 dnOk[g - g0] = true;
             }
             for (int t = qa; t < qend; t = blockEnd(t))
