@@ -57,7 +57,7 @@ alignas(32) static const int32_t kDnMask2[8][8] = {
 #define KIVI_DN_KSTEP3(OFF, M0, M1, S)                                                                              \
     KIVI_DN_STEP3(OFF, M0, M1, a##S##00, a##S##01, a##S##10, a##S##11, a##S##20, a##S##21)
 #define KIVI_DN_KSTEP2(OFF, M0, M1, S) KIVI_DN_STEP2(OFF, M0, M1, a##S##00, a##S##01, a##S##10, a##S##11)
-// 1 row: accumulator set pp = M0 / 2 (a<M0><v>: 4 sets, else 2 chains would take every step)
+// 1 row: one accumulator set per pp = M0 / 2 (a<M0><v>), so each accumulator is fed every 4th step (2 FMAs a step)
 #define KIVI_DN_KSTEP1(OFF, M0, M1, S) KIVI_DN_CODES(M0, M1) KIVI_DN_ROW(OFF, p0, a##M0##0, a##M0##1)
 
 __attribute__((always_inline)) static inline void dnKeyWords3(const int32_t* w, const float* p0, const float* p1,
@@ -105,7 +105,7 @@ __attribute__((always_inline)) static inline void dnKeyWords1(const int32_t* w, 
 // accumulator a<row><j>
 #define KIVI_DN_VSTEP3(OFF, M0, M1, J0, J1) KIVI_DN_STEP3(OFF, M0, M1, a0##J0, a0##J1, a1##J0, a1##J1, a2##J0, a2##J1)
 #define KIVI_DN_VSTEP2(OFF, M0, M1, J0, J1) KIVI_DN_STEP2(OFF, M0, M1, a0##J0, a0##J1, a1##J0, a1##J1)
-// 1 row: accumulator set by the word half (a<h><j>; OFF starts with 0 / 3 for the low half, 4 for the high one)
+// 1 row: accumulators a<J> (J0, J1 name them directly: 0-3 for the word's low half, 4-7 for the high one)
 #define KIVI_DN_VSTEP1(OFF, M0, M1, J0, J1)                                                                         \
     KIVI_DN_CODES(M0, M1) KIVI_DN_ROW(OFF, p0, a##J0, a##J1)
 

@@ -914,7 +914,7 @@ struct Attn
                     for (int g = g0; g < g1; ++g)
                         dot8[g - g0] = valueDigitScales(c, sp, g, qa, qend, hs[g - g0]);
             // subnormal decode for 2-bit values (S::kDENORMAL2) per head, unless a coefficient is not finite
-            bool dn[kMAX_HEADS_PER_PASS] = {}, dnOk[kMAX_HEADS_PER_PASS];
+            bool dn[kMAX_HEADS_PER_PASS], dnOk[kMAX_HEADS_PER_PASS];
             for (int g = g0; g < g1; ++g)
             {
                 dn[g - g0] = S::kDENORMAL2 && c.vBits == 2;
