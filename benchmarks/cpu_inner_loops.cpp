@@ -4,7 +4,9 @@
 // (keyTileDn / valueBlockDn, kiviCpuDenormal2.h: one AND, row blocks of 3, then 2 or 1), on L1-resident scratch as the op stages it, for the decode rows of a GQA group
 // (SmolLM2: D 64, 3 rows; Llama-3-8B: D 128, 4 rows). Both loops do NR D 16 / 8 fp32 FMAs per tile; the floor assumes
 // two 8-wide FMAs per cycle (Zen 3, Intel since Haswell). The core clock is measured in the same run by a dependent
-// add chain (1 cycle per add). Prints JSON (benchmarks/results/cpu_inner_loops_avx2.json):
+// add chain (1 cycle per add). On a CPU with AVX-512 VNNI + VBMI the avx512vnni loops are timed too
+// (cpu_inner_loops_vnni.cpp: keyTileDot8 / valueSpanDot8, with their count of 512-bit vpdpbusd per tile; Zen 4 issues
+// one per cycle). Prints JSON (benchmarks/results/cpu_inner_loops_avx2.json, cpu_inner_loops_zen4.json):
 //
 //   bash build_scripts/build_cpu_kernels.sh --bench && build/cpu/kivi_cpu_inner_loops
 #include "kiviCpuIsaAvx2Denormal.cpp" // the avx2 kernels and the avx2denormal ones (same S, same flags)
@@ -18,6 +20,14 @@
 
 using namespace trtllm_kivi::cpu::avx2denormal::kernel;
 using Isa = trtllm_kivi::cpu::avx2denormal::S;
+
+// cpu_inner_loops_vnni.cpp (its own -m flags)
+bool vnniCyclesPerTile(int d, int nr, double ghz, double* keys, double* values);
+static bool hasVnni()
+{
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi")
+        && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
 
 template <class Fn>
 static double bestSeconds(Fn fn)
@@ -121,8 +131,16 @@ static void measure(double ghz, bool last)
     std::printf("\"valueBlock_cycles_per_tile\": %.1f, \"valueBlock_over_floor\": %.2f},\n", vc, vc / floor);
     std::printf("   \"avx2denormal\": {\"row_blocks\": \"%d%s\", \"keyTileDn_cycles_per_tile\": %.1f, "
                 "\"keyTileDn_over_floor\": %.2f, ", RB0, RB1 ? (RB1 == 2 ? " + 2" : " + 1") : "", kd, kd / floor);
-    std::printf("\"valueBlockDn_cycles_per_tile\": %.1f, \"valueBlockDn_over_floor\": %.2f}}%s\n", vd, vd / floor,
-        last ? "" : ",");
+    std::printf("\"valueBlockDn_cycles_per_tile\": %.1f, \"valueBlockDn_over_floor\": %.2f}", vd, vd / floor);
+    double kv, vv;
+    if (hasVnni() && vnniCyclesPerTile(D, NR, ghz, &kv, &vv))
+    {
+        // NR D 16 2-bit products x 3 digits, 64 per 512-bit vpdpbusd
+        const double dpFloor = NR * D * 16 * trtllm_kivi::cpu::kDOT8_DIGITS / 64.0;
+        std::printf(",\n   \"avx512vnni\": {\"vpdpbusd_per_tile\": %.0f, \"keyTileDot8_cycles_per_tile\": %.1f, "
+                    "\"valueSpanDot8_cycles_per_tile\": %.1f}", dpFloor, kv, vv);
+    }
+    std::printf("}%s\n", last ? "" : ",");
 }
 
 static std::string cpuModel()
@@ -142,8 +160,8 @@ int main()
         return 1;
     }
     const double ghz = clockGhz();
-    std::printf("{\"benchmark\": \"cpu_inner_loops\", \"paths\": [\"avx2\", \"avx2denormal\"], \"cpu_model\": \"%s\", \"compiler\": \"g++ %s\",\n",
-        cpuModel().c_str(), __VERSION__);
+    std::printf("{\"benchmark\": \"cpu_inner_loops\", \"paths\": [\"avx2\", \"avx2denormal\"%s], \"cpu_model\": \"%s\", \"compiler\": \"g++ %s\",\n",
+        hasVnni() ? ", \"avx512vnni\"" : "", cpuModel().c_str(), __VERSION__);
     std::printf(" \"core_clock_ghz_measured\": %.2f,\n", ghz);
     std::printf(" \"unit\": \"core cycles per 16-token tile, L1-resident, 1 thread, best of 7\",\n \"shapes\": [\n");
     measure<64, 3>(ghz, false);
