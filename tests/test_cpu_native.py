@@ -9,6 +9,8 @@ Every ISA path the CPU supports is forced in turn; results must not depend on th
 from __future__ import annotations
 
 import math
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -365,3 +367,24 @@ def test_library_metadata() -> None:
     assert LIB.resolve_isa("auto") in ISAS
     assert LIB.isa_supported("portable")
     assert LIB.split_len() % 128 == 0 and math.gcd(LIB.split_len(), 512) == 512
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None or shutil.which("nm") is None,
+                    reason="binutils (objdump, nm) not installed")
+def test_key_prefetch_is_compiled_in() -> None:
+    """Every ISA's per-channel key scoring (scoresPerChannel) issues its software prefetches. Reference: the source's
+    prefetchKeyGroup calls; GCC 12 deleted them (a function whose only effects are prefetches counted as pure) until
+    the helpers were made always_inline, which left the keys waiting on DRAM (stop 30)."""
+    so = str(LIB.path)
+    syms = subprocess.run(["nm", "-S", "--defined-only", so], capture_output=True, text=True, check=True).stdout
+    found = 0
+    for line in syms.splitlines():
+        parts = line.split()
+        if len(parts) != 4 or "16scoresPerChannelILi2E" not in parts[3]:
+            continue
+        start, size = int(parts[0], 16), int(parts[1], 16)
+        asm = subprocess.run(["objdump", "-d", f"--start-address={start}", f"--stop-address={start + size}", so],
+                             capture_output=True, text=True, check=True).stdout
+        assert "prefetch" in asm, f"no prefetch instruction in {parts[3]}"
+        found += 1
+    assert found >= 2, f"scoresPerChannel<2> symbols not found in {so} (found {found})"

@@ -209,8 +209,11 @@ struct Attn
 
     // Software prefetch (into L2) of head g's key group at row r of physical block blk: its scales, zeros and code
     // tiles. The hardware prefetchers see short streams (one (block, head) at a time) and start too late.
+    // always_inline, as every prefetch helper here: GCC 12's pure-const analysis takes a function whose only effects
+    // are __builtin_prefetch for one without side effects and deletes its calls (until stop 30 this one was never
+    // called: scoresPerChannel held no prefetch instruction in any ISA).
     template <int BITS>
-    static void prefetchKeyGroup(const Ctx& c, int g, int32_t blk, int r)
+    __attribute__((always_inline)) static inline void prefetchKeyGroup(const Ctx& c, int g, int32_t blk, int r)
     {
         const int64_t sOff = keyScaleOffset(c, g, blk, r);
         const int sb = dtypeBytes(c.scaleDtype);
@@ -227,7 +230,7 @@ struct Attn
 
     // Software prefetch (into L2) of head g's values at rows [r, r + n) of physical block blk (whole tiles): codes,
     // scales, zeros. Issued while the block's keys are scored, so the values pass of the split finds them in L2.
-    static void prefetchValues(const Ctx& c, int g, int32_t blk, int r, int n)
+    __attribute__((always_inline)) static inline void prefetchValues(const Ctx& c, int g, int32_t blk, int r, int n)
     {
         const int64_t row0 = (int64_t(blk) * c.Hkv + g) * c.BS + r;
         const int wpt = D * c.vBits / 32; // words per token
