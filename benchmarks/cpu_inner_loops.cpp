@@ -10,6 +10,7 @@
 //
 //   bash build_scripts/build_cpu_kernels.sh --bench && build/cpu/kivi_cpu_inner_loops
 #include "kiviCpuIsaAvx2Denormal.cpp" // the avx2 kernels and the avx2denormal ones (same S, same flags)
+#include "cpu_inner_loops_timer.h"
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -27,19 +28,6 @@ static bool hasVnni()
 {
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi")
         && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
-
-template <class Fn>
-static double bestSeconds(Fn fn)
-{
-    double best = 1e30;
-    for (int rep = 0; rep < 7; ++rep)
-    {
-        const auto t0 = std::chrono::steady_clock::now();
-        fn();
-        best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-    return best;
 }
 
 static double clockGhz()

@@ -4,8 +4,7 @@
 // as Attn::valuesAccumulateDot8), on L1-resident scratch. Compiled with the path's own -m flags (CMakeLists.txt);
 // main() calls it only when the CPU reports avx512vnni and avx512vbmi.
 #include "kiviCpuIsaAvx512Vnni.cpp"
-#include <algorithm>
-#include <chrono>
+#include "cpu_inner_loops_timer.h"
 #include <cstdlib>
 #include <vector>
 
@@ -16,19 +15,6 @@ using trtllm_kivi::cpu::kDOT8_DIGITS;
 using trtllm_kivi::cpu::kDOT8_VALUE_DWORDS;
 using trtllm_kivi::cpu::kSCORE_STRIDE;
 using trtllm_kivi::cpu::kSPLIT_LEN;
-
-template <class Fn>
-double bestSeconds(Fn fn)
-{
-    double best = 1e30;
-    for (int rep = 0; rep < 7; ++rep)
-    {
-        const auto t0 = std::chrono::steady_clock::now();
-        fn();
-        best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-    return best;
-}
 
 template <int D, int NR>
 void keyBlock(const int32_t* tw, const int32_t* dig, const float* rec, const float* cz, float* sc)
@@ -44,7 +30,7 @@ void valueBlock(const int32_t* tw, int nt, int j, const int32_t* const* dig, flo
 
 // Seconds of reps x 32 key tiles and of reps x (one split's values) for NR rows.
 template <int D, int NR>
-void time(int reps, double* keys, double* values)
+void timeLoops(int reps, double* keys, double* values)
 {
     constexpr int TILE_WORDS = 16 * D * 2 / 32, NT = kSPLIT_LEN / 16;
     std::vector<int32_t> tw(NT * TILE_WORDS), kdig(NR * kDOT8_DIGITS * D / 4), vdig(NR * kDOT8_VALUE_DWORDS);
@@ -102,11 +88,11 @@ bool vnniCyclesPerTile(int d, int nr, double ghz, double* keys, double* values)
 {
     const int reps = 4000;
     if (d == 64 && nr == 3)
-        time<64, 3>(reps, keys, values);
+        timeLoops<64, 3>(reps, keys, values);
     else if (d == 128 && nr == 4)
-        time<128, 4>(reps, keys, values);
+        timeLoops<128, 4>(reps, keys, values);
     else if (d == 128 && nr == 1)
-        time<128, 1>(reps, keys, values);
+        timeLoops<128, 1>(reps, keys, values);
     else
         return false;
     const double cyc = ghz * 1e9 / (double(reps) * (kSPLIT_LEN / 16));
