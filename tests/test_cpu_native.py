@@ -373,7 +373,7 @@ def test_library_metadata() -> None:
                     reason="binutils (objdump, nm) not installed")
 def test_key_prefetch_is_compiled_in() -> None:
     """Every ISA's per-channel key scoring (scoresPerChannel) issues its software prefetches. Reference: the source's
-    prefetchKeyGroup calls; GCC 12 deleted them (a function whose only effects are prefetches counted as pure) until
+    prefetchKeyGroup calls; GCC 12 deleted them (a function whose only effects are prefetches, taken as side-effect free) until
     the helpers were made always_inline, which left the keys waiting on DRAM (stop 30)."""
     so = str(LIB.path)
     syms = subprocess.run(["nm", "-S", "--defined-only", so], capture_output=True, text=True, check=True).stdout

@@ -209,9 +209,9 @@ struct Attn
 
     // Software prefetch (into L2) of head g's key group at row r of physical block blk: its scales, zeros and code
     // tiles. The hardware prefetchers see short streams (one (block, head) at a time) and start too late.
-    // always_inline, as every prefetch helper here: GCC 12's pure-const analysis takes a function whose only effects
-    // are __builtin_prefetch for one without side effects and deletes its calls (until stop 30 this one was never
-    // called: scoresPerChannel held no prefetch instruction in any ISA).
+    // always_inline, as every prefetch helper here: GCC 12 treats a function whose only effects are __builtin_prefetch
+    // as free of side effects and deletes its calls (cddce1; until stop 30 this one was never called:
+    // scoresPerChannel held no prefetch instruction in any ISA).
     template <int BITS>
     __attribute__((always_inline)) static inline void prefetchKeyGroup(const Ctx& c, int g, int32_t blk, int r)
     {
