@@ -166,7 +166,8 @@ def test_special_groups_bit_exact(isa) -> None:
 @pytest.mark.parametrize("case", ["nan_query", "negative_value_scales", "tiny_key_scales", "tiny_value_scales",
                                   "large_key_scales", "large_value_scales", "huge_key_scales", "huge_value_scales"])
 def test_dot_product_fallbacks(case, isa) -> None:
-    """Inputs avx512vnni's integer dot products cannot take go to its fp32 path (per key group / per split and head):
+    """Inputs avx512vnni's integer dot products cannot take go to its fp32 path (keys: per block; values: per split
+    and head):
     a NaN query head, negative value scales, scales so small (< 1e-30) that the fixed-point step would underflow.
     avx2denormal's subnormal decode carries 2^100 in its operands: large_* (scales x 1e6) stay finite and take it,
     huge_* (x 1e12 keys, x 1e20 values) overflow, so that key group / split is scored again by the fp32 path.
@@ -198,6 +199,24 @@ def test_dot_product_fallbacks(case, isa) -> None:
         assert bool(nan.any()) == (case == "nan_query") and bool(nan[0, 3].all()) == (case == "nan_query")
         err = float((out_ref - out_nat)[~nan].abs().max())
         assert err <= scale * _tol(torch.float32, v), f"{case}: max |native - reference| = {err}"
+
+
+@needs_layout
+@pytest.mark.parametrize("mult", [10.0, 1000.0])
+def test_key_outlier_groups(mult, isa) -> None:
+    """Keys far larger in a few groups (an attention-sink-like first group, a few tokens of the next one), as real
+    models have: avx512vnni's key digits share one fixed-point scale per block and row (S::keyBlockScale), which must
+    bound the outlier groups and keep the others within the tolerance."""
+    run = Run(KiviConfig(residual_length=32), 6, 2, 64, torch.float32, slots=1, seed=3)
+    q, k, v = run.inputs([700])
+    k[:32] *= mult
+    k[40:45] *= mult
+    run.step([0], [700], isa=isa, qkv=(q, k, v))
+    for _ in range(3):
+        out_ref, out_nat, v = run.step([0], [1], isa=isa)
+        run.assert_stores_equal()
+        err = float((out_ref - out_nat).abs().max())
+        assert err <= _tol(torch.float32, v), f"x{mult}: max |native - reference| = {err}"
 
 
 @needs_layout

@@ -286,47 +286,91 @@ struct S
             0, 0, 0), v));
     }
 
-    // Key preparation of NR <= 4 rows for one group (qf: rows' q / sqrt(D), stride D; ksc, kzr: the group's
-    // per-channel scales and zeros): cz[i] = sum_d qf kzr, and the digits of qs = qf * ksc for keyTileDot8:
-    // dig[i kDOT8_DIGITS D / 4 + k D / 4 + m] (dwords), rec[i] = F_i 2^-22 (F_i = max |qs_i|). False, and the fp32 path
-    // kept, when a row is not finite or an F too small to invert.
+    // |key scale| maxima of one key group (its D scales from entry off): smax[d] = max(smax[d], |scale_d|); false if a
+    // scale is not finite.
+    template <int D>
+    static bool keyScaleMax(const void* base, int64_t off, int32_t dtype, float* smax)
+    {
+        __mmask16 bad = 0;
+        for (int n = 0; n < D / 16; ++n)
+        {
+            const __m512 a = _mm512_abs_ps(loadAct(base, off + 16 * n, dtype));
+            bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ); // inf or NaN
+            _mm512_storeu_ps(smax + 16 * n, _mm512_max_ps(_mm512_loadu_ps(smax + 16 * n), a));
+        }
+        return bad == 0;
+    }
+
+    // The key digits' fixed-point scale of NR <= 4 rows for the key groups of one block (qf: the rows' q / sqrt(D),
+    // stride D; smax: keyScaleMax over the block's groups): F_i = max_d |qf_id| smax_d bounds |qf * scale| in each of
+    // them, so one inverse serves them all (until stop 31 F was found per group: a max pass and a division per
+    // 32 tokens). A group whose products are far below the block's largest gets the block's step, F 2^-22: the score
+    // error bound stays D 1.5 F 2^-22, absolute (test_key_outlier_groups). qi = qf 2^22 / F_i, rec[i] = F_i 2^-22.
+    // False (the fp32 path) when a product is not finite or an F is too small to invert.
     template <int D, int NR>
-    static bool keyPrep(const float* qf, const float* ksc, const float* kzr, int32_t* dig, float* rec, float* cz)
+    static bool keyBlockScale(const float* qf, const float* smax, float* qi, float* rec)
     {
         constexpr int NV = D / 16;
-        __m512 qs[NR][NV], z[4], mx[4];
+        __m512 mx[4];
         __mmask16 bad = 0;
         for (int i = 0; i < 4; ++i)
-            z[i] = mx[i] = _mm512_setzero_ps();
+            mx[i] = _mm512_setzero_ps();
         for (int i = 0; i < NR; ++i)
             for (int n = 0; n < NV; ++n)
             {
-                const __m512 q = _mm512_loadu_ps(qf + i * D + 16 * n);
-                qs[i][n] = _mm512_mul_ps(q, _mm512_loadu_ps(ksc + 16 * n));
-                z[i] = _mm512_fmadd_ps(q, _mm512_loadu_ps(kzr + 16 * n), z[i]);
-                const __m512 a = _mm512_abs_ps(qs[i][n]);
+                const __m512 a
+                    = _mm512_mul_ps(_mm512_abs_ps(_mm512_loadu_ps(qf + i * D + 16 * n)), _mm512_loadu_ps(smax + 16 * n));
                 bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ); // inf or NaN
                 mx[i] = _mm512_max_ps(mx[i], a);
             }
-        alignas(16) float f[4], inv[4], czv[4];
-        const __m128 fv = reduce4(mx, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
-        _mm_store_ps(f, fv);
-        _mm_store_ps(czv, reduce4(z, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
-        _mm_store_ps(inv, _mm_div_ps(_mm_set1_ps(kFIX), fv));
+        alignas(16) float f[4];
+        _mm_store_ps(f, reduce4(mx, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }));
         for (int i = 0; i < NR; ++i)
         {
             if (bad || (f[i] != 0.0f && f[i] < 1e-30f))
                 return false;
-            cz[i] = czv[i];
             rec[i] = f[i] * (1.0f / kFIX);
+            const __m512 inv = _mm512_set1_ps(f[i] == 0.0f ? 0.0f : kFIX / f[i]);
+            for (int n = 0; n < NV; ++n)
+            {
+                // a channel whose scales are all 0 bounds nothing: its q * inv may overflow (times 0: NaN)
+                const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qf + i * D + 16 * n), inv);
+                bad |= _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);
+                _mm512_storeu_ps(qi + i * D + 16 * n, x);
+            }
         }
+        return bad == 0;
+    }
+
+    // Key preparation of NR <= 4 rows for one group (qf: rows' q / sqrt(D), qi: keyBlockScale's, stride D; the group's
+    // per-channel scales and zeros from entry off): cz[i] = sum_d qf kzr, and the digits of qi * scale for
+    // keyTileDot8: dig[i kDOT8_DIGITS D / 4 + k D / 4 + m] (dwords).
+    template <int D, int NR>
+    static void keyPrep(const float* qf, const float* qi, const void* kScale, const void* kZero, int64_t off,
+        int32_t dtype, int32_t* dig, float* cz)
+    {
+        constexpr int NV = D / 16;
+        __m512 sc[NV], zr[NV], z[4];
+        for (int n = 0; n < NV; ++n)
+        {
+            sc[n] = loadAct(kScale, off + 16 * n, dtype);
+            zr[n] = loadAct(kZero, off + 16 * n, dtype);
+        }
+        for (int i = 0; i < 4; ++i)
+            z[i] = _mm512_setzero_ps();
+        for (int i = 0; i < NR; ++i)
+            for (int n = 0; n < NV; ++n)
+                z[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + i * D + 16 * n), zr[n], z[i]);
+        alignas(16) float czv[4];
+        _mm_store_ps(czv, reduce4(z, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
+        for (int i = 0; i < NR; ++i)
+            cz[i] = czv[i];
         const KeyGather<D>& g = kKEY_GATHER<D>;
         for (int i = 0; i < NR; ++i)
         {
-            const __m512 iv = _mm512_set1_ps(f[i] == 0.0f ? 0.0f : inv[i]);
             __m512i w[NV];
             for (int n = 0; n < NV; ++n)
-                w[n] = fixDigits(qs[i][n], iv);
+                w[n] = fixDigits(sc[n], _mm512_loadu_ps(qi + i * D + 16 * n));
             for (int o = 0; o < kDOT8_DIGITS * D / 64; ++o)
             {
                 const __m512i idx = _mm512_loadu_si512(g.idx[o].data());
@@ -337,7 +381,6 @@ struct S
                 _mm512_storeu_si512(dig + i * kDOT8_DIGITS * D / 4 + 16 * o, r);
             }
         }
-        return true;
     }
 
     // Scores of NR rows over one transposed 16-token 2-bit key tile (Attn::transposeTile; lanes = tokens):

@@ -100,8 +100,10 @@ struct Attn
         int32_t* tw;   // [kSPLIT_LEN / 16 tiles][4 D] transposed fragment tiles (transposeTile)
         int32_t* kdig; // [rows, kDOT8_DIGITS D / 4] key digits of the current group (S::keyPrep; kDOT8 only)
         int32_t* vdig; // [rows, kDOT8_VALUE_DWORDS] value digits of the split (S::valueDigits)
-        float* krec;   // [rows] key digits' scales
+        float* krec;   // [rows] key digits' scales (the current block's)
         float* vfix;   // [8] value digits' scales (4 groups), then their inverses: shared by the rows
+        float* kqi;    // [rows, D] qf * 2^22 / F for the current block's key digits (S::keyBlockScale; kDOT8 only)
+        bool kdot8;    // the current block's 2-bit keys take the integer dot products (keyDigitScales)
     };
 
     static Scratch carve(float* base, int rows)
@@ -124,6 +126,8 @@ struct Attn
         s.vdig = s.kdig + rows * kDOT8_DIGITS * D / 4;
         s.krec = reinterpret_cast<float*>(s.vdig + int64_t(rows) * kDOT8_VALUE_DWORDS);
         s.vfix = s.krec + rows;
+        s.kqi = s.vfix + 8;
+        s.kdot8 = false;
         return s;
     }
 
@@ -228,6 +232,16 @@ struct Attn
             __builtin_prefetch(w + i, 0, 2);
     }
 
+    // Software prefetch (into L2) of head g's key scales in physical block blk (all its groups: keyDigitScales reads
+    // them before the block's first group is scored).
+    __attribute__((always_inline)) static inline void prefetchKeyScales(const Ctx& c, int g, int32_t blk)
+    {
+        const int sb = dtypeBytes(c.scaleDtype);
+        const char* p = static_cast<const char*>(c.kScale) + keyScaleOffset(c, g, blk, 0) * sb;
+        for (int i = 0; i < c.BS / c.G * D * sb; i += 64)
+            __builtin_prefetch(p + i, 0, 2);
+    }
+
     // Software prefetch (into L2) of head g's values at rows [r, r + n) of physical block blk (whole tiles): codes,
     // scales, zeros. Issued while the block's keys are scored, so the values pass of the split finds them in L2.
     __attribute__((always_inline)) static inline void prefetchValues(const Ctx& c, int g, int32_t blk, int r, int n)
@@ -265,25 +279,53 @@ struct Attn
 
     // kDOT8 paths (S's integer dot products; X defers the lookup of S's members to instantiation, which only the
     // ISAs with kDOT8 reach).
+    // The key digit scales of head g for the groups at rows [r, r + n) of physical block blk (S::keyBlockScale over
+    // their |scale| maxima); false (the fp32 path for these groups) if a scale or a row does not allow them.
     template <class X = S>
-    static bool keyPrepRows(int rows, Scratch& s)
+    static bool keyDigitScales(const Ctx& c, int g, int rows, int32_t blk, int r, int n, Scratch& s)
     {
+        float* const smax = s.ksc; // ksc is free: the kDOT8 path loads the scales itself
+        for (int i = 0; i < NV; ++i)
+            S::store(smax + i * W, S::zero());
+        for (int rr = r; rr < r + n; rr += c.G)
+            if (!X::template keyScaleMax<D>(c.kScale, keyScaleOffset(c, g, blk, rr), c.scaleDtype, smax))
+                return false;
         for (int r0 = 0; r0 < rows; r0 += 4)
         {
             const float* qf = s.qf + r0 * D;
-            int32_t* dig = s.kdig + r0 * kDOT8_DIGITS * D / 4;
+            float* qi = s.kqi + r0 * D;
             bool ok;
             switch (imin(4, rows - r0))
             {
-            case 1: ok = X::template keyPrep<D, 1>(qf, s.ksc, s.kzr, dig, s.krec + r0, s.cz + r0); break;
-            case 2: ok = X::template keyPrep<D, 2>(qf, s.ksc, s.kzr, dig, s.krec + r0, s.cz + r0); break;
-            case 3: ok = X::template keyPrep<D, 3>(qf, s.ksc, s.kzr, dig, s.krec + r0, s.cz + r0); break;
-            default: ok = X::template keyPrep<D, 4>(qf, s.ksc, s.kzr, dig, s.krec + r0, s.cz + r0); break;
+            case 1: ok = X::template keyBlockScale<D, 1>(qf, smax, qi, s.krec + r0); break;
+            case 2: ok = X::template keyBlockScale<D, 2>(qf, smax, qi, s.krec + r0); break;
+            case 3: ok = X::template keyBlockScale<D, 3>(qf, smax, qi, s.krec + r0); break;
+            default: ok = X::template keyBlockScale<D, 4>(qf, smax, qi, s.krec + r0); break;
             }
             if (!ok)
                 return false;
         }
         return true;
+    }
+
+    // The digits of one key group (entry sOff of the scales / zeros) for every row (keyDigitScales was true).
+    template <class X = S>
+    static void keyPrepRows(const Ctx& c, int64_t sOff, int rows, Scratch& s)
+    {
+        for (int r0 = 0; r0 < rows; r0 += 4)
+        {
+            const float* qf = s.qf + r0 * D;
+            const float* qi = s.kqi + r0 * D;
+            int32_t* dig = s.kdig + r0 * kDOT8_DIGITS * D / 4;
+            float* cz = s.cz + r0;
+            switch (imin(4, rows - r0))
+            {
+            case 1: X::template keyPrep<D, 1>(qf, qi, c.kScale, c.kZero, sOff, c.scaleDtype, dig, cz); break;
+            case 2: X::template keyPrep<D, 2>(qf, qi, c.kScale, c.kZero, sOff, c.scaleDtype, dig, cz); break;
+            case 3: X::template keyPrep<D, 3>(qf, qi, c.kScale, c.kZero, sOff, c.scaleDtype, dig, cz); break;
+            default: X::template keyPrep<D, 4>(qf, qi, c.kScale, c.kZero, sOff, c.scaleDtype, dig, cz); break;
+            }
+        }
     }
 
     template <int NR, class X = S>
@@ -374,14 +416,18 @@ struct Attn
         const int32_t sDtype = c.scaleDtype;
         float* const ksc = s.ksc;
         float* const kzr = s.kzr;
-        for (int n = 0; n < NV; ++n)
+        bool dot8 = false; // integer dot products (S::kDOT8, 2-bit keys) unless the block's scales or rows forbid them
+        if constexpr (S::kDOT8 && BITS == 2)
+        {
+            dot8 = s.kdot8;
+            if (dot8)
+                keyPrepRows(c, sOff, rows, s);
+        }
+        for (int n = 0; n < NV && !dot8; ++n)
         {
             S::store(ksc + n * W, S::loadAct(kScale, sOff + n * W, sDtype));
             S::store(kzr + n * W, S::loadAct(kZero, sOff + n * W, sDtype));
         }
-        bool dot8 = false; // integer dot products (S::kDOT8, 2-bit keys) unless a row is not finite
-        if constexpr (S::kDOT8 && BITS == 2)
-            dot8 = keyPrepRows(rows, s);
         // subnormal decode (S::kDENORMAL2: 2-bit keys, row blocks of 3, 2 or 1): qs carries keyScaleFactor per channel (exact,
         // a power of two); if a score comes out non-finite (a scaled qs overflowed, or q, a scale or a zero is not
         // finite) the group is scored again by the fp32 path, which gives the true result in every case
@@ -866,6 +912,14 @@ struct Attn
                     const int32_t nextBlk = (jb + 1) * c.BS < sp.nq ? row[jb + 1] : -1;
                     for (int g = g0; g < g1; ++g)
                         prefetchValues(c, g, row[jb], r0, tEnd - t);
+                    if constexpr (S::kDOT8) // one key digit scale per block and row (S::keyBlockScale)
+                        if (c.kBits == 2)
+                            for (int g = g0; g < g1; ++g)
+                            {
+                                if (nextBlk >= 0)
+                                    prefetchKeyScales(c, g, nextBlk);
+                                hs[g - g0].kdot8 = keyDigitScales(c, g, rows, row[jb], r0, tEnd - t, hs[g - g0]);
+                            }
                     for (int g = g0; g < g1; ++g)
                         for (int t0 = t; t0 < tEnd; t0 += c.G)
                         {
