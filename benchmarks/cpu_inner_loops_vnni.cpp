@@ -1,8 +1,10 @@
 // The avx512vnni path's two inner loops (plugins/cpu/src/kiviCpuIsaAvx512.cpp, S::kDOT8), for cpu_inner_loops.cpp:
 // the quantized-key scores of one 16-token tile (keyTileDot8, row blocks of 4 as Attn::scoresPerChannel) and the
-// 2-bit value accumulation over a 512-token split (valueSpanDot8 per 32-channel block, row blocks of 3, then 2 or 1,
-// as Attn::valuesAccumulateDot8), on L1-resident scratch. Compiled with the path's own -m flags (CMakeLists.txt);
-// main() calls it only when the CPU reports avx512vnni and avx512vbmi.
+// 2-bit value accumulation over a 512-token split (valueSpanDot8 per 32-channel block, row blocks of 4 as
+// Attn::valuesAccumulateDot8), on L1-resident scratch. Compiled with the path's own -m flags (CMakeLists.txt);
+// main() calls it only when the CPU reports avx512vnni and avx512vbmi. Caveat (stop 33): inlined here, g++ 12 keeps
+// keyTileDot8's accumulators in memory (its inline-asm vpdpbusd), which the kernel's scoresPerChannel does not
+// (test_dot_product_accumulators_stay_in_registers): the keys number of this file overstates the kernel's loop.
 #include "kiviCpuIsaAvx512Vnni.cpp"
 #include "cpu_inner_loops_timer.h"
 #include <cstdlib>
@@ -64,8 +66,8 @@ void timeLoops(int reps, double* keys, double* values)
             for (int j = 0; j < D / 32; ++j) // Gv 32: channel block j is value group j
                 for (int r0 = 0, nr; r0 < NR; r0 += nr)
                 {
-                    const int32_t* dig[3];
-                    nr = V::kernel::dnRowBlock(NR - r0);
+                    const int32_t* dig[4];
+                    nr = std::min(4, NR - r0);
                     for (int i = 0; i < nr; ++i)
                         dig[i] = vdig.data() + (r0 + i) * kDOT8_VALUE_DWORDS + j * NT * 16;
                     float* ac = acc.data() + r0 * D;
@@ -73,7 +75,8 @@ void timeLoops(int reps, double* keys, double* values)
                     {
                     case 1: valueBlock<D, 1>(tw.data(), NT, j, dig, ac); break;
                     case 2: valueBlock<D, 2>(tw.data(), NT, j, dig, ac); break;
-                    default: valueBlock<D, 3>(tw.data(), NT, j, dig, ac); break;
+                    case 3: valueBlock<D, 3>(tw.data(), NT, j, dig, ac); break;
+                    default: valueBlock<D, 4>(tw.data(), NT, j, dig, ac); break;
                     }
                 }
             asm volatile("" ::: "memory");

@@ -9,6 +9,7 @@ Every ISA path the CPU supports is forced in turn; results must not depend on th
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import subprocess
 
@@ -386,6 +387,32 @@ def test_library_metadata() -> None:
     assert LIB.resolve_isa("auto") in ISAS
     assert LIB.isa_supported("portable")
     assert LIB.split_len() % 128 == 0 and math.gcd(LIB.split_len(), 512) == 512
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None or shutil.which("nm") is None,
+                    reason="binutils (objdump, nm) not installed")
+def test_dot_product_accumulators_stay_in_registers() -> None:
+    """The avx512vnni path's integer dot-product loops (keyTileDot8 inside scoresPerChannel<2>, valueSpanDot8) keep
+    their accumulators in registers: no vpdpbusd result is stored to the stack right after it. Reference: stop 33's
+    disassembly, where g++ 12 kept an inlined valueSpanDot8's accumulator array in memory (a store after every
+    vpdpbusd, 1.2x the op's time); the kernel sidesteps it (valueSpanDot8 not inlined), and this catches a return."""
+    so = str(LIB.path)
+    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", so], capture_output=True, text=True, check=True)
+    spill = re.compile(r"vmovdq[au](?:32|64)\s+%(zmm\d+),-?(?:0x[0-9a-f]+)?\(%r[sb]p")
+    dst = re.compile(r"vpdpbusd\s+.*,%(zmm\d+)\s*$")
+    checked, name, lines = 0, "", asm.stdout.splitlines()
+    for i, ln in enumerate(lines):
+        if ln.endswith(">:"):
+            name = ln
+            checked += "10avx512vnni" in name and ("16scoresPerChannelILi2E" in name or "13valueSpanDot8" in name)
+            continue
+        m = dst.search(ln)
+        if not m or "10avx512vnni" not in name:
+            continue
+        for nxt in lines[i + 1:i + 3]:
+            s2 = spill.search(nxt)
+            assert not (s2 and s2.group(1) == m.group(1)), f"{name}: accumulator spilled: {ln} / {nxt}"
+    assert checked >= 4, f"avx512vnni scoresPerChannel<2> / valueSpanDot8 symbols not found in {so} ({checked})"
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None or shutil.which("nm") is None,

@@ -52,31 +52,20 @@ constexpr std::array<uint8_t, 64> valueSel(int q2)
 constexpr std::array<uint8_t, 64> kKEY_SEL[2] = {keySel(0), keySel(1)};
 constexpr std::array<uint8_t, 64> kVALUE_SEL[2] = {valueSel(0), valueSel(1)};
 
-// Byte gather of the key digits: table byte p = 4 m + b of digit k (m = (tq NW + j) 2 + h, the dword broadcast
-// for word set (tq, j), half h) is byte k of channel ch = 8 (4 j + b) + 2 tq + h's digit word, source byte
-// 4 ch + k; vpermt2b reads 128 source bytes, so every output vector blends D / 32 of them (masks).
-template <int D>
-struct KeyGather
+// Byte gather of the key digits, per 32-channel block j (one vpermt2b over its two digit vectors, 128 bytes):
+// row layout dig[24 j + 8 k + 2 tq + h] (dwords), byte b = digit k of channel 32 j + 8 b + 2 tq + h (source byte
+// 4 (8 b + 2 tq + h) + k). Table 0 makes digits 0 and 1 (64 bytes), table 1 digit 2 (its low 32 bytes).
+constexpr std::array<uint8_t, 64> keyGather(int t)
 {
-    std::array<std::array<uint8_t, 64>, kDOT8_DIGITS * D / 64> idx{}; // [k D / 64 + o]: source byte & 127
-    std::array<uint64_t, kDOT8_DIGITS * D / 64 * (D / 32)> mask{};   // [(k D / 64 + o) D / 32 + source / 128]
-};
-template <int D>
-constexpr KeyGather<D> keyGather()
-{
-    KeyGather<D> g{};
-    for (int k = 0; k < kDOT8_DIGITS; ++k)
-        for (int p = 0; p < D; ++p)
-        {
-            const int m = p / 4, b = p % 4, h = m % 2, j = m / 2 % (D / 32), tq = m / 2 / (D / 32);
-            const int src = 4 * (8 * (4 * j + b) + 2 * tq + h) + k, o = k * D / 64 + p / 64;
-            g.idx[o][p % 64] = uint8_t(src & 127);
-            g.mask[o * (D / 32) + src / 128] |= uint64_t(1) << (p % 64);
-        }
-    return g;
+    std::array<uint8_t, 64> a{};
+    for (int p = 0; p < 64; ++p)
+    {
+        const int k = t == 0 ? p / 32 : 2, q = p % 32, d = q / 4, b = q % 4;
+        a[p] = uint8_t(4 * (8 * b + 2 * (d / 2) + d % 2) + k);
+    }
+    return a;
 }
-template <int D>
-constexpr KeyGather<D> kKEY_GATHER = keyGather<D>();
+constexpr std::array<uint8_t, 64> kKEY_GATHER[2] = {keyGather(0), keyGather(1)};
 
 // Byte gather of the value digits (ng = 1, 2, 4 groups; gi): output byte 16 k + 4 tq + b = digit k of token
 // tok = 8 (b >> 1) + 2 tq + (b & 1) of group gi, i.e. byte k of digit word e = tok ng + gi: source byte
@@ -267,6 +256,16 @@ struct S
         return _mm512_xor_si512(_mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x, inv)), bias), bias);
     }
 
+    // acc += codes . broadcast(*d) (vpdpbusd with an embedded {1to16} broadcast): g++ 12 neither folds
+    // _mm512_set1_epi32(*d) into the instruction nor keeps loop-carried accumulators in place (it copies every one
+    // of them each iteration), which doubles the front end's work in keyTileDot8 (Zen 4 A/B, stop 33: Llama-3-8B
+    // geometry 0.97x the op's time). Only where the caller is scoresPerChannel: elsewhere (valueSpanDot8, an
+    // out-of-line keyTileDot8) g++ 12 then keeps the accumulators in memory.
+    static void dpbusdBcast(__m512i& acc, __m512i codes, const int32_t* d)
+    {
+        asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*d));
+    }
+
     static __m512i codes2(__m512i ws, const std::array<uint8_t, 64>& sel)
     {
         return _mm512_and_si512(
@@ -344,7 +343,7 @@ struct S
 
     // Key preparation of NR <= 4 rows for one group (qf: rows' q / sqrt(D), qi: keyBlockScale's, stride D; the group's
     // per-channel scales and zeros from entry off): cz[i] = sum_d qf kzr, and the digits of qi * scale for
-    // keyTileDot8: dig[i kDOT8_DIGITS D / 4 + k D / 4 + m] (dwords).
+    // keyTileDot8: dig[i kDOT8_DIGITS D / 4 + 24 j + 8 k + 2 tq + h] (dwords; kKEY_GATHER).
     template <int D, int NR>
     static void keyPrep(const float* qf, const float* qi, const void* kScale, const void* kZero, int64_t off,
         int32_t dtype, int32_t* dig, float* cz)
@@ -365,20 +364,19 @@ struct S
         _mm_store_ps(czv, reduce4(z, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
         for (int i = 0; i < NR; ++i)
             cz[i] = czv[i];
-        const KeyGather<D>& g = kKEY_GATHER<D>;
+        const __m512i idx0 = _mm512_loadu_si512(kKEY_GATHER[0].data());
+        const __m512i idx1 = _mm512_loadu_si512(kKEY_GATHER[1].data());
         for (int i = 0; i < NR; ++i)
         {
             __m512i w[NV];
             for (int n = 0; n < NV; ++n)
                 w[n] = fixDigits(sc[n], _mm512_loadu_ps(qi + i * D + 16 * n));
-            for (int o = 0; o < kDOT8_DIGITS * D / 64; ++o)
+            int32_t* row = dig + i * kDOT8_DIGITS * D / 4;
+            for (int j = 0; j < D / 32; ++j)
             {
-                const __m512i idx = _mm512_loadu_si512(g.idx[o].data());
-                __m512i r = _mm512_permutex2var_epi8(w[0], idx, w[1]);
-                for (int j = 1; j < D / 32; ++j)
-                    r = _mm512_mask_mov_epi8(r, g.mask[o * (D / 32) + j],
-                        _mm512_permutex2var_epi8(w[2 * j], idx, w[2 * j + 1]));
-                _mm512_storeu_si512(dig + i * kDOT8_DIGITS * D / 4 + 16 * o, r);
+                _mm512_storeu_si512(row + 24 * j, _mm512_permutex2var_epi8(w[2 * j], idx0, w[2 * j + 1]));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 24 * j + 16),
+                    _mm512_castsi512_si256(_mm512_permutex2var_epi8(w[2 * j], idx1, w[2 * j + 1])));
             }
         }
     }
@@ -403,11 +401,9 @@ struct S
                 for (int h = 0; h < 2; ++h)
                 {
                     const __m512i codes = codes2(ws, kKEY_SEL[h]);
-                    const int m = (tq * NW + j) * 2 + h;
                     for (int i = 0; i < NR; ++i)
                         for (int k = 0; k < kDOT8_DIGITS; ++k)
-                            acc[i][k] = _mm512_dpbusd_epi32(
-                                acc[i][k], codes, _mm512_set1_epi32(dig[(i * kDOT8_DIGITS + k) * (D / 4) + m]));
+                            dpbusdBcast(acc[i][k], codes, dig + i * kDOT8_DIGITS * D / 4 + 24 * j + 8 * k + 2 * tq + h);
                 }
             }
         for (int i = 0; i < NR; ++i)
@@ -478,41 +474,39 @@ struct S
 
     // acc[i][32 j + c] += rec sum_t coef_it code_tc over nt transposed 2-bit value tiles (consecutive, D words
     // each) for channels [32 j, 32 j + 32): lanes = 16 channels, a lane's 4 bytes = tokens (2 tq, + 1, + 8, + 9)
-    // against their digits. dig[i]: row i's valueDigits of this channel group.
+    // against their digits. dig[i]: row i's valueDigits of this channel group. One pass per 16-channel half q2:
+    // NR 3 kDOT8_DIGITS accumulators (NR <= 4) stay in registers. Intrinsics and not inlined: with dpbusdBcast, or
+    // inlined into splitPartial, g++ 12 keeps the accumulator array in memory (a store after every vpdpbusd; Zen 4
+    // A/B: 1.2x the op's time). test_dot_product_accumulators_stay_in_registers checks the build.
     template <int D, int NR>
-    static void valueSpanDot8(const int32_t* tw, int nt, int j, const int32_t* const* dig, float rec, float* acc)
+    __attribute__((noinline)) static void valueSpanDot8(const int32_t* tw, int nt, int j, const int32_t* const* dig, float rec, float* acc)
     {
         constexpr int NW = D / 32;
-        __m512i a[NR][2][kDOT8_DIGITS];
-        for (int i = 0; i < NR; ++i)
-            for (int q2 = 0; q2 < 2; ++q2)
+        const __m512 r = _mm512_set1_ps(rec);
+        for (int q2 = 0; q2 < 2; ++q2)
+        {
+            __m512i a[NR][kDOT8_DIGITS];
+            for (int i = 0; i < NR; ++i)
                 for (int k = 0; k < kDOT8_DIGITS; ++k)
-                    a[i][q2][k] = _mm512_setzero_si512();
-        for (int tile = 0; tile < nt; ++tile, tw += D)
-            for (int tq = 0; tq < 4; ++tq)
-            {
-                const __m512i ws = loadWords(tw + 8 * (tq * NW + j));
-#pragma GCC unroll 2
-                for (int q2 = 0; q2 < 2; ++q2)
+                    a[i][k] = _mm512_setzero_si512();
+            const int32_t* t = tw;
+            for (int tile = 0; tile < nt; ++tile, t += D)
+                for (int tq = 0; tq < 4; ++tq)
                 {
-                    const __m512i codes = codes2(ws, kVALUE_SEL[q2]);
+                    const __m512i codes = codes2(loadWords(t + 8 * (tq * NW + j)), kVALUE_SEL[q2]);
                     for (int i = 0; i < NR; ++i)
                         for (int k = 0; k < kDOT8_DIGITS; ++k)
-                            a[i][q2][k] = _mm512_dpbusd_epi32(
-                                a[i][q2][k], codes, _mm512_set1_epi32(dig[i][16 * tile + 4 * k + tq]));
+                            a[i][k] = _mm512_dpbusd_epi32(a[i][k], codes, _mm512_set1_epi32(dig[i][16 * tile + 4 * k + tq]));
                 }
-            }
-        const __m512 r = _mm512_set1_ps(rec);
-        for (int i = 0; i < NR; ++i)
-            for (int q2 = 0; q2 < 2; ++q2)
+            for (int i = 0; i < NR; ++i)
             {
                 // each digit sum is below 2^24 (512 tokens x 3 x 128): exact in fp32
-                const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i][q2][2]), _mm512_set1_ps(65536.0f),
-                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i][q2][1]), _mm512_set1_ps(256.0f),
-                        _mm512_cvtepi32_ps(a[i][q2][0])));
+                const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i][2]), _mm512_set1_ps(65536.0f),
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i][1]), _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(a[i][0])));
                 float* p = acc + i * D + 32 * j + 16 * q2;
                 _mm512_storeu_ps(p, _mm512_fmadd_ps(f, r, _mm512_loadu_ps(p)));
             }
+        }
     }
 #endif
 };

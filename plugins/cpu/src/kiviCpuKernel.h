@@ -367,12 +367,10 @@ struct Attn
         for (int j = 0; j < D / 32; ++j)
         {
             const int gi = 32 * j / c.Gv; // Gv >= 32: channels [32 j, 32 j + 32) lie in one value group
-            // row blocks of 3, then 2 or 1 (dnRowBlock): a 4-row block's 24 accumulators spill (microbenchmark, Zen 4,
-            // D 128: 616 cycles per tile against 333 + 125 for 3 + 1)
-            for (int r0 = 0, nr; r0 < rows; r0 += nr)
+            for (int r0 = 0, nr; r0 < rows; r0 += nr) // row blocks of RB: one pass per 16-channel half, 3 RB accumulators
             {
-                const int32_t* dig[3];
-                nr = dnRowBlock(rows - r0);
+                const int32_t* dig[RB];
+                nr = imin(RB, rows - r0);
                 for (int i = 0; i < nr; ++i)
                     dig[i] = s.vdig + (r0 + i) * kDOT8_VALUE_DWORDS + gi * (kSPLIT_LEN / 16) * 16;
                 float* acc = s.acc + r0 * D;
@@ -381,7 +379,8 @@ struct Attn
                 {
                 case 1: X::template valueSpanDot8<D, 1>(s.tw, nt, j, dig, rec, acc); break;
                 case 2: X::template valueSpanDot8<D, 2>(s.tw, nt, j, dig, rec, acc); break;
-                default: X::template valueSpanDot8<D, 3>(s.tw, nt, j, dig, rec, acc); break;
+                case 3: X::template valueSpanDot8<D, 3>(s.tw, nt, j, dig, rec, acc); break;
+                default: X::template valueSpanDot8<D, 4>(s.tw, nt, j, dig, rec, acc); break;
                 }
             }
         }
