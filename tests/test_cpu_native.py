@@ -411,7 +411,8 @@ def test_dot_product_accumulators_stay_in_registers() -> None:
             continue
         for nxt in lines[i + 1:i + 3]:
             s2 = spill.search(nxt)
-            assert not (s2 and s2.group(1) == m.group(1)), f"{name}: accumulator spilled: {ln} / {nxt}"
+            assert not (s2 and s2.group(1) == m.group(1)), \
+                f"{name}: accumulator spilled: {ln} / {nxt}"
     assert checked >= 4, f"avx512vnni scoresPerChannel<2> / valueSpanDot8 symbols not found in {so} ({checked})"
 
 

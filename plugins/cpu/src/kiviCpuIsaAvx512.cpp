@@ -55,6 +55,7 @@ constexpr std::array<uint8_t, 64> kVALUE_SEL[2] = {valueSel(0), valueSel(1)};
 // Byte gather of the key digits, per 32-channel block j (one vpermt2b over its two digit vectors, 128 bytes):
 // row layout dig[24 j + 8 k + 2 tq + h] (dwords), byte b = digit k of channel 32 j + 8 b + 2 tq + h (source byte
 // 4 (8 b + 2 tq + h) + k). Table 0 makes digits 0 and 1 (64 bytes), table 1 digit 2 (its low 32 bytes).
+static_assert(kDOT8_DIGITS == 3, "the key digit layout (24 dwords per 32-channel block) assumes 3 digits");
 constexpr std::array<uint8_t, 64> keyGather(int t)
 {
     std::array<uint8_t, 64> a{};
@@ -403,7 +404,8 @@ struct S
                     const __m512i codes = codes2(ws, kKEY_SEL[h]);
                     for (int i = 0; i < NR; ++i)
                         for (int k = 0; k < kDOT8_DIGITS; ++k)
-                            dpbusdBcast(acc[i][k], codes, dig + i * kDOT8_DIGITS * D / 4 + 24 * j + 8 * k + 2 * tq + h);
+                            dpbusdBcast(
+                                acc[i][k], codes, dig + i * kDOT8_DIGITS * D / 4 + 24 * j + 8 * k + 2 * tq + h);
                 }
             }
         for (int i = 0; i < NR; ++i)
@@ -479,7 +481,8 @@ struct S
     // inlined into splitPartial, g++ 12 keeps the accumulator array in memory (a store after every vpdpbusd; Zen 4
     // A/B: 1.2x the op's time). test_dot_product_accumulators_stay_in_registers checks the build.
     template <int D, int NR>
-    __attribute__((noinline)) static void valueSpanDot8(const int32_t* tw, int nt, int j, const int32_t* const* dig, float rec, float* acc)
+    __attribute__((noinline)) static void valueSpanDot8(
+        const int32_t* tw, int nt, int j, const int32_t* const* dig, float rec, float* acc)
     {
         constexpr int NW = D / 32;
         const __m512 r = _mm512_set1_ps(rec);
@@ -496,7 +499,8 @@ struct S
                     const __m512i codes = codes2(loadWords(t + 8 * (tq * NW + j)), kVALUE_SEL[q2]);
                     for (int i = 0; i < NR; ++i)
                         for (int k = 0; k < kDOT8_DIGITS; ++k)
-                            a[i][k] = _mm512_dpbusd_epi32(a[i][k], codes, _mm512_set1_epi32(dig[i][16 * tile + 4 * k + tq]));
+                            a[i][k] = _mm512_dpbusd_epi32(
+                                a[i][k], codes, _mm512_set1_epi32(dig[i][16 * tile + 4 * k + tq]));
                 }
             for (int i = 0; i < NR; ++i)
             {

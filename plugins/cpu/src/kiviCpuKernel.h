@@ -367,7 +367,8 @@ struct Attn
         for (int j = 0; j < D / 32; ++j)
         {
             const int gi = 32 * j / c.Gv; // Gv >= 32: channels [32 j, 32 j + 32) lie in one value group
-            for (int r0 = 0, nr; r0 < rows; r0 += nr) // row blocks of RB: one pass per 16-channel half, 3 RB accumulators
+            // row blocks of RB: valueSpanDot8 makes one pass per 16-channel half (3 RB accumulators, no spill)
+            for (int r0 = 0, nr; r0 < rows; r0 += nr)
             {
                 const int32_t* dig[RB];
                 nr = imin(RB, rows - r0);
