@@ -260,11 +260,13 @@ struct S
     // acc += codes . broadcast(*d) (vpdpbusd with an embedded {1to16} broadcast): g++ 12 neither folds
     // _mm512_set1_epi32(*d) into the instruction nor keeps loop-carried accumulators in place (it copies every one
     // of them each iteration), which doubles the front end's work in keyTileDot8 (Zen 4 A/B, stop 33: Llama-3-8B
-    // geometry 0.97x the op's time). Only where the caller is scoresPerChannel: elsewhere (valueSpanDot8, an
-    // out-of-line keyTileDot8) g++ 12 then keeps the accumulators in memory.
-    static void dpbusdBcast(__m512i& acc, __m512i codes, const int32_t* d)
+    // geometry 0.97x the op's time). The accumulator goes in and out by value, as an intrinsic's: with a reference
+    // operand (stop 33) g++ 12 kept the accumulator array in memory wherever the loop was not inlined into
+    // scoresPerChannel (stop 34: cpu_inner_loops_vnni.cpp's keyTileDot8, D 128, 4 rows, 603 -> 427 cycles per tile).
+    static __m512i dpbusdBcast(__m512i acc, __m512i codes, const int32_t* d)
     {
         asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*d));
+        return acc;
     }
 
     static __m512i codes2(__m512i ws, const std::array<uint8_t, 64>& sel)
@@ -404,7 +406,7 @@ struct S
                     const __m512i codes = codes2(ws, kKEY_SEL[h]);
                     for (int i = 0; i < NR; ++i)
                         for (int k = 0; k < kDOT8_DIGITS; ++k)
-                            dpbusdBcast(
+                            acc[i][k] = dpbusdBcast(
                                 acc[i][k], codes, dig + i * kDOT8_DIGITS * D / 4 + 24 * j + 8 * k + 2 * tq + h);
                 }
             }
@@ -477,9 +479,9 @@ struct S
     // acc[i][32 j + c] += rec sum_t coef_it code_tc over nt transposed 2-bit value tiles (consecutive, D words
     // each) for channels [32 j, 32 j + 32): lanes = 16 channels, a lane's 4 bytes = tokens (2 tq, + 1, + 8, + 9)
     // against their digits. dig[i]: row i's valueDigits of this channel group. One pass per 16-channel half q2:
-    // NR 3 kDOT8_DIGITS accumulators (NR <= 4) stay in registers. Intrinsics and not inlined: with dpbusdBcast, or
-    // inlined into splitPartial, g++ 12 keeps the accumulator array in memory (a store after every vpdpbusd; Zen 4
-    // A/B: 1.2x the op's time). test_dot_product_accumulators_stay_in_registers checks the build.
+    // NR 3 kDOT8_DIGITS accumulators (NR <= 4) stay in registers. Not inlined: inlined into splitPartial, g++ 12
+    // kept the accumulator array in memory (stop 33: a store after every vpdpbusd, 1.2x the op's time).
+    // test_dot_product_accumulators_stay_in_registers checks the build.
     template <int D, int NR>
     __attribute__((noinline)) static void valueSpanDot8(
         const int32_t* tw, int nt, int j, const int32_t* const* dig, float rec, float* acc)
@@ -499,8 +501,7 @@ struct S
                     const __m512i codes = codes2(loadWords(t + 8 * (tq * NW + j)), kVALUE_SEL[q2]);
                     for (int i = 0; i < NR; ++i)
                         for (int k = 0; k < kDOT8_DIGITS; ++k)
-                            a[i][k] = _mm512_dpbusd_epi32(
-                                a[i][k], codes, _mm512_set1_epi32(dig[i][16 * tile + 4 * k + tq]));
+                            a[i][k] = dpbusdBcast(a[i][k], codes, dig[i] + 16 * tile + 4 * k + tq);
                 }
             for (int i = 0; i < NR; ++i)
             {
