@@ -122,7 +122,7 @@ def main() -> int:
         print(f"round {r}: " + ", ".join(f"{k} {statistics.median(v[-args.decode:]) * 1e3:.1f}" for k, v in
                                          times.items()) + " ms/token (median)", file=sys.stderr)
     # per-step ratios (same moment, same load) are the robust comparison on a shared machine
-    step_ratio = {k: statistics.median(b / a for a, b in zip(times[k], times["hf_dynamic_cache"]))
+    step_ratio = {k: statistics.median(b / a for a, b in zip(times[k], times["hf_dynamic_cache"], strict=True))
                   for k in impls}
     med = {k: statistics.median(v) for k, v in times.items()}
     tps = {k: 1.0 / v for k, v in med.items()}

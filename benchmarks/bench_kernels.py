@@ -110,7 +110,7 @@ class KiviDecode:
         mbs = max(1, math.ceil(n_q / cfg.block_size))
         shapes = KiviBuffers.allocate(cfg, hkv, d, 1, 1, torch.float16, "meta")
         bufs = []
-        for name, t in zip(KiviBuffers._fields, shapes):
+        for name, t in zip(KiviBuffers._fields, shapes, strict=True):
             n0 = batch * mbs if name in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero") else batch
             shape = (n0, *t.shape[1:])
             if t.dtype == torch.int32:
@@ -228,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                     skipped.append({**shape, "reason": f"time budget {args.time_budget} s spent"})
                     continue
                 dec = KiviDecode(lib, cfg, h, hkv, d, batch, ctx)
-                att = time_fn(lambda: dec.launch(_abi.PHASE_ATTENTION))
-                stp = time_fn(lambda: dec.launch(_abi.PHASE_STEP))
+                att = time_fn(lambda dec=dec: dec.launch(_abi.PHASE_ATTENTION))
+                stp = time_fn(lambda dec=dec: dec.launch(_abi.PHASE_STEP))
                 torch.cuda.synchronize()
                 flag = int(dec.flag.item())
                 kbytes = dec.read_bytes + dec.write_bytes
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
                 base = sdpa_fp16(h, hkv, d, batch, ctx)
                 torch.cuda.empty_cache()
-                gbps = lambda t: kbytes / (t["median_ms"] * 1e-3) / 1e9  # noqa: E731
+                gbps = lambda t, kbytes=kbytes: kbytes / (t["median_ms"] * 1e-3) / 1e9  # noqa: E731
                 row = {**shape, "kivi_error_flag": flag, "plan": plan,
                        "kivi_attention": {**att, "bytes": kbytes, "gbps": gbps(att)},
                        "kivi_step": stp, "fp16_mma": mma16, "sdpa_fp16": base}

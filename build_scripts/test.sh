@@ -16,6 +16,6 @@ bash build_scripts/build_plugin.sh --arch "${KIVI_CUDA_ARCHS:-90}" --jobs 2
 TRTLLM_KIVI_TRITON_ENV="$(bash build_scripts/setup_triton_env.sh | tail -n 1)"
 export TRTLLM_KIVI_TRITON_ENV
 # lint and types first (pyproject.toml: ruff default + B, UP, SIM; mypy): a finding fails the run
-.venv/bin/ruff check trtllm_kivi
+.venv/bin/ruff check trtllm_kivi tests benchmarks
 .venv/bin/mypy trtllm_kivi
 .venv/bin/python -m pytest tests "$@"

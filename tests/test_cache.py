@@ -47,7 +47,7 @@ def cache_snapshot(cache: KiviCache):
 
 
 def assert_same_snapshot(a, b):
-    assert all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+    assert all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True))
     assert torch.equal(a[1], b[1]) and a[2:] == b[2:]
 
 
@@ -98,7 +98,7 @@ def test_any_split_gives_the_one_shot_state(data):
             kc, ks, kz = quantize_keys(kl[:, s0:s0 + n_q], cfg)
             vc, vs, vz = quantize_values(vl[:, s0:s0 + n_q], cfg)
             for name, ref in zip(("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"),
-                                 (kc, ks, kz, vc, vs, vz)):
+                                 (kc, ks, kz, vc, vs, vz), strict=True):
                 assert torch.equal(store[name][:, : ref.shape[1]], ref), name
                 assert not store[name][:, ref.shape[1]:].any()  # rows past n_q in the last block are not state
         else:
@@ -228,13 +228,13 @@ def test_full_cache_is_dense_attention(heads, kv_heads):
     slots = list(seqs)
     for row in plan:
         step = cache.begin_step(slots, row)
-        q = torch.cat([seqs[s][0][p:p + c] for s, p, c in zip(slots, step.past, row)])
-        k = torch.cat([seqs[s][1][p:p + c] for s, p, c in zip(slots, step.past, row)])
-        v = torch.cat([seqs[s][2][p:p + c] for s, p, c in zip(slots, step.past, row)])
+        q = torch.cat([seqs[s][0][p:p + c] for s, p, c in zip(slots, step.past, row, strict=True)])
+        k = torch.cat([seqs[s][1][p:p + c] for s, p, c in zip(slots, step.past, row, strict=True)])
+        v = torch.cat([seqs[s][2][p:p + c] for s, p, c in zip(slots, step.past, row, strict=True)])
         out = cache.attention(0, q, k, v, step)
         cache.end_step(step)
         off = 0
-        for s, p, c in zip(slots, step.past, row):
+        for s, p, c in zip(slots, step.past, row, strict=True):
             ks, vs = seqs[s][1][: p + c].transpose(0, 1), seqs[s][2][: p + c].transpose(0, 1)
             torch.testing.assert_close(out[off:off + c].double(), dense_attention(seqs[s][0][p:p + c], ks, vs, p),
                                        atol=1e-5, rtol=1e-5)

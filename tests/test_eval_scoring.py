@@ -55,7 +55,7 @@ def test_flush_points_and_plan():
     plan = chunk_plan(40, 199, [KIVI2], 32)
     assert plan[0] == (40, 64) and plan[-1] == (192, 199)
     assert all(is_exact(KIVI2, s, e) for s, e in plan)
-    assert all(a[1] == b[0] for a, b in zip(plan, plan[1:]))
+    assert all(a[1] == b[0] for a, b in zip(plan, plan[1:], strict=False))
     both = chunk_plan(0, 200, [KIVI2, KiviConfig(residual_length=40)], 1000)
     assert {72, 104, 64, 96}.issubset({s for s, _ in both})
     with pytest.raises(ValueError, match="max_chunk=0 must be >= 1"):

@@ -279,7 +279,7 @@ def test_header_compiles_and_agrees_with_python(tmp_path):
         checks.append(f"static_assert(kBUFFER_{n.upper()} == {i});")
 
     src = tmp_path / "check.cpp"
-    src.write_text(f'#include "kiviFormat.h"\nusing namespace trtllm_kivi;\n' + "\n".join(checks) +
+    src.write_text('#include "kiviFormat.h"\nusing namespace trtllm_kivi;\n' + "\n".join(checks) +
                    "\nint main() { return 0; }\n")
     res = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", f"-I{HEADER.parent}", str(src)],
                          capture_output=True, text=True, timeout=120)

@@ -151,7 +151,7 @@ def test_cache_contents_equal_the_reference_quantizer(llama, kv):
             assert torch.equal(state["k_window"], k[:, n_q:]) and torch.equal(state["v_window"], v[:, n_q:])
             store = state_from_blocks(state, n_q)
             for name, ref in zip(("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"),
-                                 (*quantize_keys(k[:, :n_q], cfg), *quantize_values(v[:, :n_q], cfg))):
+                                 (*quantize_keys(k[:, :n_q], cfg), *quantize_values(v[:, :n_q], cfg)), strict=True):
                 assert torch.equal(store[name][:, : ref.shape[1]], ref), (row, layer, name)
 
 
@@ -193,9 +193,8 @@ def test_refusals(llama):
     with pytest.raises(ValueError, match=r"--kv 'kivi3' is not a KV cache spec|k_bits=3 is not supported"):
         KiviCache(hf, "kivi3")
     cache = KiviCache(hf, "kivi2", max_seq_len=16)
-    with pytest.raises(ValueError, match=r"exceeds the cache capacity max_seq_len=16"):
-        with torch.no_grad():
-            hf(torch.tensor([list(range(20))]), cache=cache)
+    with pytest.raises(ValueError, match=r"exceeds the cache capacity max_seq_len=16"), torch.no_grad():
+        hf(torch.tensor([list(range(20))]), cache=cache)
     cache = KiviCache(hf, "kivi2")
     with torch.no_grad():
         hf(prompt, cache=cache)

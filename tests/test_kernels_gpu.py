@@ -58,7 +58,7 @@ def random_buffers(cfg: KiviConfig, hkv: int, d: int, num_blocks: int, num_slots
 
 
 def assert_buffers_equal(gpu: KiviBuffers, ref: KiviBuffers, what: str) -> None:
-    for name, a, b in zip(ref._fields, gpu, ref):
+    for name, a, b in zip(ref._fields, gpu, ref, strict=True):
         a = _bits(a.cpu())
         if not torch.equal(a, _bits(b)):
             bad = (a != _bits(b)).nonzero()[:5].tolist()
@@ -126,7 +126,7 @@ class Pair:
         assert int(flag.item()) == 0, f"error flag {int(flag.item())} for {what}"
         assert_attention_close(out, want, tol, what)
         assert_buffers_equal(self.gpu, self.ref, what)
-        self.lens = [a + b for a, b in zip(self.lens, chunks)]
+        self.lens = [a + b for a, b in zip(self.lens, chunks, strict=True)]
 
 
 # The default (auto = mma.sync) kernel; the explicit selector must give the same kernel.

@@ -80,10 +80,10 @@ def run_steps(cfg, h, hkv, d, dtype, steps, *, num_sms=0, max_seq_len=0, seed=0,
         err = (out.float() - out_ref.float()).abs()
         assert torch.all(err <= tol), f"chunks {chunks} past {lens}: max err/tol {(err / tol).max().item()}"
         worst = max(worst, (err / tol).max().item())
-        for name, a, b in zip(ref._fields, ref, mod):
+        for name, a, b in zip(ref._fields, ref, mod, strict=True):
             assert torch.equal(a, b), f"{name} differs after chunks {chunks} (past {lens})"
         plans.append(plan)
-        lens = [a + b for a, b in zip(lens, chunks)]
+        lens = [a + b for a, b in zip(lens, chunks, strict=True)]
     return plans, worst
 
 

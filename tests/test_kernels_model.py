@@ -45,9 +45,9 @@ def test_model_append_matches_reference(kb, vb, g, d, hkv, dtype, sdt):
                 off += c
             flag = model.append(k, v, slots, torch.tensor(lens).int(), torch.tensor(chunks).int(), table, mod, cfg)
             assert flag == 0
-            for name, a, bb in zip(ref._fields, ref, mod):
+            for name, a, bb in zip(ref._fields, ref, mod, strict=True):
                 assert torch.equal(a, bb), f"{name} differs after chunks {chunks} (past {lens}, R={r})"
-            lens = [a + c for a, c in zip(lens, chunks)]
+            lens = [a + c for a, c in zip(lens, chunks, strict=True)]
 
 
 def test_model_error_flags_skip_the_sequence():

@@ -22,6 +22,7 @@ Q8 = gguf.GGMLQuantizationType.Q8_0
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BYTES = sorted(__import__("tokenizers").pre_tokenizers.ByteLevel.alphabet())  # GPT-2's 256 byte characters
 TOKENS = SPECIALS + BYTES + ["he", "Ġt", "Ġthe"]  # 262 tokens; merges build "he", "Ġt", "Ġthe"
+VOCAB = len(TOKENS)
 MERGES = ["h e", "Ġ t", "Ġt he"]
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}" \
            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -31,7 +32,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 64}
 
 
-def hf_model(heads=4, kv_heads=2, head_dim=64, vocab=len(TOKENS), tied=True, seed=0, rope_scaling=None):
+def hf_model(heads=4, kv_heads=2, head_dim=64, vocab=VOCAB, tied=True, seed=0, rope_scaling=None):
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
                                    num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
@@ -111,7 +112,7 @@ def test_gguf_matches_transformers(tmp_path, heads, kv_heads, head_dim, tied):
     hf = hf_model(heads, kv_heads, head_dim, tied=tied)
     path = write_gguf(tmp_path / "m.gguf", hf)
     with torch.no_grad():  # the oracle holds what the file holds: Q8_0 round-tripped matrices
-        for name, p in hf.named_parameters():
+        for _name, p in hf.named_parameters():
             if p.dim() == 2:
                 p.copy_(q8_roundtrip(p.detach()))
     model, tok, cfg = load_model(path)
@@ -134,7 +135,7 @@ def test_gguf_llama3_rope_freqs(tmp_path):
     base = 1.0 / 10000.0 ** (torch.arange(0, 64, 2).float() / 64)
     path = write_gguf(tmp_path / "m.gguf", hf, rope_freqs=base / scaled.float())
     with torch.no_grad():
-        for name, p in hf.named_parameters():
+        for _name, p in hf.named_parameters():
             if p.dim() == 2:
                 p.copy_(q8_roundtrip(p.detach()))
     model, _, cfg = load_model(path)

@@ -8,7 +8,6 @@ binary's --print-fields output.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re

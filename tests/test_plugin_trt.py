@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from trtllm_kivi.format import BUFFER_NAMES, FORMAT_VERSION, KiviConfig, buffer_shapes
+from trtllm_kivi.format import BUFFER_NAMES, FORMAT_VERSION, KiviConfig
 from trtllm_kivi.op import STATUS_OUTPUT
 from trtllm_kivi.plugin import (PLUGIN_LIBRARY_NAME, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION,
                                 find_plugin_library, load_plugin_library, plugin_fields)
@@ -67,7 +67,7 @@ def _build_engine(cfg: KiviConfig, act: torch.dtype):
     specs = [("q", act, (-1, H, D)), ("k", act, (-1, HKV, D)), ("v", act, (-1, HKV, D)),
              ("slot_ids", torch.int32, (-1,)), ("past_len", torch.int32, (-1,)), ("chunk_len", torch.int32, (-1,)),
              ("block_table", torch.int32, (-1, MAX_BLOCKS))]
-    specs += [(name, t.dtype, tuple(t.shape)) for name, t in zip(BUFFER_NAMES, bufs)]
+    specs += [(name, t.dtype, tuple(t.shape)) for name, t in zip(BUFFER_NAMES, bufs, strict=True)]
     inputs = [network.add_input(name, TRT_DTYPES[dt], shape) for name, dt, shape in specs]
     layer = network.add_plugin_v3(inputs, [], plugin)
     for i, name in enumerate(["out"] + [f"{n}_out" for n in BUFFER_NAMES] + [STATUS_OUTPUT]):
@@ -94,14 +94,14 @@ def _run(engine, context, q, k, v, slot_ids, past_len, chunk_len, block_table, b
     """One step on the GPU; bufs (CUDA tensors) are updated in place through the aliased outputs. The status output
     (the kernels' error bits) is written to `status` when given, else checked to be 0."""
     named = dict(q=q, k=k, v=v, slot_ids=slot_ids, past_len=past_len, chunk_len=chunk_len, block_table=block_table)
-    named.update(zip(BUFFER_NAMES, bufs))
+    named.update(zip(BUFFER_NAMES, bufs, strict=True))
     for name, t in named.items():
         if name in ("q", "k", "v", "slot_ids", "past_len", "chunk_len", "block_table"):
             context.set_input_shape(name, tuple(t.shape))
         context.set_tensor_address(name, t.data_ptr())
     out = torch.empty_like(q)
     context.set_tensor_address("out", out.data_ptr())
-    for name, t in zip(BUFFER_NAMES, bufs):
+    for name, t in zip(BUFFER_NAMES, bufs, strict=True):
         assert engine.get_aliased_input_tensor(f"{name}_out") == name
         context.set_tensor_address(f"{name}_out", t.data_ptr())
     st = torch.full((1,), -1, dtype=torch.int32, device="cuda") if status is None else status
@@ -138,7 +138,7 @@ def test_engine_matches_reference_over_two_steps(act):
                    chunk_len.cuda(), block_table.cuda(), gpu_bufs)
         tol = 2e-2 if act == torch.float16 else 6e-2  # fp32 softmax, different summation order
         torch.testing.assert_close(out.cpu().float(), ref_out.float(), atol=tol, rtol=tol)
-        for name, got, want in zip(BUFFER_NAMES, gpu_bufs, ref_bufs):
+        for name, got, want in zip(BUFFER_NAMES, gpu_bufs, ref_bufs, strict=True):
             assert torch.equal(got.cpu(), want), f"{name} differs from the reference after step {past}->{chunk}"
 
 

@@ -70,9 +70,10 @@ def test_per_layer_choice_avoids_the_harm_that_global_rotation_does(synthetic, t
     t = recipe_table(specs, segs, mc.geometry, "fp16", setup, None, 500)["configs"]
     kl = {n: t[n]["segment_kl"] for n in ("plain", "global", "chosen")}
     # Paired by segment (the segments differ much more than the configurations do on one segment):
-    assert all(g > 2 * p for g, p in zip(kl["global"], kl["plain"]))  # global rotation hurts in every segment
+    # global rotation hurts in every segment
+    assert all(g > 2 * p for g, p in zip(kl["global"], kl["plain"], strict=True))
     assert t["global"]["kl_ci95"][0] > t["plain"]["kl_ci95"][1]  # ... outside the noise
-    assert all(c <= p for c, p in zip(kl["chosen"], kl["plain"]))  # the per-layer choice never does
+    assert all(c <= p for c, p in zip(kl["chosen"], kl["plain"], strict=True))  # the per-layer choice never does
     assert t["chosen"]["kl_mean"] < t["plain"]["kl_mean"]  # and its rotation (layer 1's V) helps
 
 

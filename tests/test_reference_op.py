@@ -87,11 +87,11 @@ def test_op_matches_dense_oracle(dtype, heads, kv_heads, data):
         before = clone_all(*args, *buffers)
 
         out_f, new = kivi_attention(*args, buffers, cfg)  # functional form
-        for a, b_ in zip(before, [*args, *buffers]):
+        for a, b_ in zip(before, [*args, *buffers], strict=True):
             assert torch.equal(a, b_), "the functional form modified an input"
         out_i = kivi_attention_(*args, buffers, cfg)  # in-place form
         assert torch.equal(out_f, out_i)
-        for a, b_ in zip(new, buffers):
+        for a, b_ in zip(new, buffers, strict=True):
             assert torch.equal(a, b_)
 
         off = 0
@@ -178,4 +178,4 @@ def test_check_step_errors(change, match):
         check_step(**step)
     with pytest.raises(ValueError, match=match):  # the op validates before touching anything
         kivi_attention_(**step)
-    assert all(torch.equal(a, b) for a, b in zip(before, step["buffers"]))
+    assert all(torch.equal(a, b) for a, b in zip(before, step["buffers"], strict=True))

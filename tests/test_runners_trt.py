@@ -62,7 +62,7 @@ def test_trt_runner_matches_the_torch_runtime(built):
     slots = [runner.add_sequence(), runner.add_sequence()]
     assert slots == [ref.add_sequence(), ref.add_sequence()]
     tokens = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (80, 20)]
-    for step in range(40):
+    for _ in range(40):
         a, b = runner.step(slots, tokens), ref.step(slots, tokens)
         torch.testing.assert_close(a, b, atol=5e-2, rtol=0)
         tokens = [[int(t)] for t in b.argmax(-1)]

@@ -79,7 +79,7 @@ def test_requests_wait_for_blocks_and_stay_exact(model):
         assert u.blocks_in_use <= sched.blocks_reserved <= 3
         waited_with_free_slots += sched.num_waiting > 0 and run.free_slots > 0
     assert waited_with_free_slots > 0, "no request ever waited for blocks"
-    for (p, n), r in zip(work, reqs):
+    for (p, n), r in zip(work, reqs, strict=True):
         assert r.finish_reason == "length" and r.tokens == alone(model, p, n).tokens
     u = kv_usage.kv_usage(run)
     assert (u.slots_in_use, u.blocks_in_use, sched.blocks_reserved) == (0, 0, 0)

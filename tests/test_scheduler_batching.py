@@ -53,7 +53,7 @@ def workload(n: int, seed: int = 1) -> list[tuple[list[int], int]]:
     """n (prompt, max_new_tokens) pairs of different lengths; prompts up to 70 tokens so chunks and flushes mix."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for i in range(n):
+    for _ in range(n):
         plen = int(torch.randint(1, 71, (1,), generator=g))
         out.append((torch.randint(0, 49152, (plen,), generator=g).tolist(), int(torch.randint(1, 35, (1,),
                                                                                                generator=g))))
@@ -83,7 +83,7 @@ def test_interleaved_requests_equal_each_alone(model, kv):
     sched.run_until_idle()
     assert mixed_steps > 0, "no step mixed a prefill chunk with decode tokens"
     assert runner.free_slots == 3
-    for (prompt, n), r in zip(work, reqs):
+    for (prompt, n), r in zip(work, reqs, strict=True):
         ref = alone(model, kv, prompt, SamplingParams(max_new_tokens=n))
         assert r.finish_reason == "length" and len(r.tokens) == n
         assert r.tokens == ref.tokens, f"request {r.id} (prompt {len(prompt)}, {n} new) differs from its solo run"
@@ -101,9 +101,9 @@ def test_sampled_requests_are_batch_independent(model):
     params = [SamplingParams(max_new_tokens=n, temperature=0.9, top_p=0.9, seed=100 + i)
               for i, (_, n) in enumerate(work)]
     sched = Scheduler(make_runner(model, "kivi2", 2), prefill_chunk=PREFILL_CHUNK)
-    reqs = [sched.submit(p, sp) for (p, _), sp in zip(work, params)]
+    reqs = [sched.submit(p, sp) for (p, _), sp in zip(work, params, strict=True)]
     sched.run_until_idle()
-    for (prompt, _), sp, r in zip(work, params, reqs):
+    for (prompt, _), sp, r in zip(work, params, reqs, strict=True):
         assert r.tokens == alone(model, "kivi2", prompt, sp).tokens
 
 
@@ -125,7 +125,7 @@ def test_oversized_request_is_refused_and_harms_no_other(model):
     assert sched.num_waiting + sched.num_running == 2
     reqs += [sched.submit(p, SamplingParams(max_new_tokens=n)) for p, n in work[2:]]
     sched.run_until_idle()
-    for (prompt, n), r in zip(work, reqs):
+    for (prompt, n), r in zip(work, reqs, strict=True):
         assert r.tokens == alone(model, "kivi2", prompt, SamplingParams(max_new_tokens=n)).tokens
     # the largest request that fits is accepted: 100 + 13 - 1 = 112 positions
     r = sched.submit(list(range(100)), SamplingParams(max_new_tokens=13))
@@ -169,7 +169,7 @@ def test_streaming_callbacks_and_iterator(model, tokenizer):
 
     params = [SamplingParams(max_new_tokens=20, stop_strings=(stop,))] + \
         [SamplingParams(max_new_tokens=n) for _, n in work[1:]]
-    reqs = [sched.submit(p, sp, on_update=on_update) for (p, _), sp in zip(work, params)]
+    reqs = [sched.submit(p, sp, on_update=on_update) for (p, _), sp in zip(work, params, strict=True)]
     streamed = list(reqs[2].stream())  # drives the scheduler itself (no background thread)
     sched.run_until_idle()
     assert streamed == reqs[2].tokens
@@ -233,6 +233,6 @@ def test_hard_step_token_limit_is_respected(model):
     assert sched.max_batch_tokens == 20
     reqs = [sched.submit(p, SamplingParams(max_new_tokens=n)) for p, n in work]
     sched.run_until_idle()
-    for (prompt, n), r in zip(work, reqs):
+    for (prompt, n), r in zip(work, reqs, strict=True):
         assert r.finish_reason == "length", r.error
         assert r.tokens == alone(model, "kivi2", prompt, SamplingParams(max_new_tokens=n)).tokens

@@ -12,6 +12,7 @@ tests/test_triton_server.py (tests/test_triton_relay.py runs both from the dev v
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -184,14 +185,12 @@ def _cases(tok, run) -> list[tuple[dict, list[int]]]:
 def _machine() -> dict:
     import importlib.metadata as md
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor())
     versions = {}
     for pkg in ("torch", "numpy", "nvidia-pytriton", "tritonclient"):
-        try:
+        with contextlib.suppress(md.PackageNotFoundError):
             versions[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
     return {"cpu": cpu, "cores": os.cpu_count(), "load_average_before": os.getloadavg()[0],
             "python": platform.python_version(), "tritonserver": "2.51.0 (nvidia-pytriton 0.7.0)", **versions}
 

@@ -202,8 +202,8 @@ def test_concurrent_streaming_requests_match_offline(server, offline):
     tok, run = offline
     n = [16, 24, 12, 20, 8, 16]
     got = stream_requests(server, [{"text_input": [p], "max_tokens": [k], "stream": [True]}
-                                   for p, k in zip(PROMPTS, n)])
-    for i, (p, k) in enumerate(zip(PROMPTS, n)):
+                                   for p, k in zip(PROMPTS, n, strict=True)])
+    for i, (p, k) in enumerate(zip(PROMPTS, n, strict=True)):
         ref = run(tok.encode(p), max_new_tokens=k)
         o = got[str(i)]
         assert o["error"] is None, o["error"]
@@ -373,9 +373,9 @@ def test_build_folder_model_matches_offline_factory(server, engine_dir):
     tok = BuildFolder.open(engine_dir).tokenizer()
     prompts = [list(range(100, 140)), list(range(7, 19)), tok.encode("Hello from the engine")]
     n = [20, 45, 10]
-    got = stream_requests(server, [{"input_ids": p, "max_tokens": [k]} for p, k in zip(prompts, n)],
+    got = stream_requests(server, [{"input_ids": p, "max_tokens": [k]} for p, k in zip(prompts, n, strict=True)],
                           model=ENGINE_MODEL)
-    for i, (p, k) in enumerate(zip(prompts, n)):
+    for i, (p, k) in enumerate(zip(prompts, n, strict=True)):
         runner, _ = load_runner(engine_dir, threads=1)
         ref = generate(runner, [p], SamplingParams(max_new_tokens=k, stop_token_ids=tuple(tok.eos_ids)), tok,
                        prefill_chunk=32)[0]
