@@ -4,7 +4,8 @@
 #   2. run the GPU tests (tests/test_kernels_gpu.py: the default mma.sync kernel against the reference);
 #   3. run the kernel benchmark (benchmarks/bench_kernels.py: KIVI vs the same kernel over an FP16 cache, torch SDPA,
 #      copy bandwidth);
-#   4. write $OUT/gpu_check.json (summary) next to build.log, tests.log, junit XML and bench_kernels.json.
+#   4. with the time left, compute-sanitizer memcheck and racecheck over a few small GPU tests (sanitizer.log);
+#   5. write $OUT/gpu_check.json (summary) next to build.log, tests.log, junit XML and bench_kernels.json.
 # Usage: build_scripts/gpu_check.sh [--quick]    ($OUT defaults to build/gpu_check; total budget ~5 minutes;
 #        $PYTHON picks the interpreter, $KIVI_GPU_ARCH overrides the detected arch)
 # Exit status: nonzero when the build or a test fails (the benchmark's goals are reported, not enforced).
@@ -44,8 +45,8 @@ echo "gpu_check.sh: build rc=${build_rc} in $((T1 - T0)) s"
 
 tests_rc=1
 if [[ ${build_rc} -eq 0 ]]; then
-  timeout 170 ${PY} -m pytest -p no:cacheprovider -q tests/test_kernels_gpu.py \
-    --junitxml="${OUT}/gpu_tests.xml" >"${OUT}/tests.log" 2>&1
+  timeout 170 ${PY} -m pytest -p no:cacheprovider -q --durations=8 tests/test_kernels_gpu.py \
+    tests/test_runtime_torch_runner.py -m gpu --junitxml="${OUT}/gpu_tests.xml" >"${OUT}/tests.log" 2>&1
   tests_rc=$?
 fi
 T2=$(date +%s)
@@ -54,7 +55,7 @@ echo "gpu_check.sh: gpu tests rc=${tests_rc} in $((T2 - T1)) s"; tail -n 5 "${OU
 bench_rc=1
 if [[ ${build_rc} -eq 0 ]]; then
   LEFT=$(( 290 - (T2 - T0) ))
-  BUDGET=$(( LEFT > 60 ? LEFT - 40 : 20 ))
+  BUDGET=$(( LEFT > 160 ? LEFT - 120 : 40 ))  # ~80 s stay for the sanitizer
   timeout $(( BUDGET + 30 )) ${PY} benchmarks/bench_kernels.py ${QUICK} --time-budget "${BUDGET}" \
     --out "${OUT}/bench_kernels.json" >"${OUT}/bench.log" 2>&1
   bench_rc=$?
@@ -62,15 +63,46 @@ fi
 T3=$(date +%s)
 echo "gpu_check.sh: bench rc=${bench_rc} in $((T3 - T2)) s"; tail -n 25 "${OUT}/bench.log" 2>/dev/null
 
+# Out-of-bounds accesses and shared-memory races the value checks can miss (small shapes: sanitized kernels run
+# far slower). Skipped when under 60 s of the ~300 s budget are left.
+san_rc=-1
+SAN="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n1)"
+LEFT=$(( 300 - (T3 - T0) ))
+if [[ ${build_rc} -eq 0 && -n "${SAN}" && ${LEFT} -ge 60 ]]; then
+  san_rc=0
+  for tool in memcheck racecheck; do
+    [[ ${tool} == memcheck ]] && SEL="batch_sweep and 64-1-dtype1-3 or sink_tokens and 4-2-2 or rows_no_sequence" \
+      || SEL="batch_sweep and 128-4-dtype0-1- or unhinted and 1-dtype0"
+    echo "== ${tool}: -k '${SEL}'" >>"${OUT}/sanitizer.log"
+    timeout $(( LEFT / 2 )) "${SAN}" --tool "${tool}" --error-exitcode 97 ${PY} -m pytest -p no:cacheprovider -q -x \
+      tests/test_kernels_gpu.py -k "${SEL}" >>"${OUT}/sanitizer.log" 2>&1
+    rc=$?; echo "== ${tool} rc=${rc}" >>"${OUT}/sanitizer.log"; [[ ${rc} -ne 0 ]] && san_rc=${rc}
+  done
+fi
+T3b=$(date +%s)
+echo "gpu_check.sh: sanitizer rc=${san_rc} in $((T3b - T3)) s (${SAN:-no compute-sanitizer})"
+grep -E "^== |ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "${OUT}/sanitizer.log" 2>/dev/null | tail -n 12
+
 ${PY} - "${OUT}" "${ARCH}" "${build_rc}" "${tests_rc}" "${bench_rc}" \
-  "$((T1 - T0))" "$((T2 - T1))" "$((T3 - T2))" <<'PYEOF'
+  "$((T1 - T0))" "$((T2 - T1))" "$((T3 - T2))" "${san_rc}" "$((T3b - T3))" <<'PYEOF'
 import json, sys, re
 from pathlib import Path
 import xml.etree.ElementTree as ET
-out, arch, b, t, bench, tb, tt, tbench = sys.argv[1:]
+import subprocess
+out, arch, b, t, bench, tb, tt, tbench, san, tsan = sys.argv[1:]
 out = Path(out)
-summary = {"arch": arch, "build_rc": int(b), "tests_rc": int(t), "bench_rc": int(bench),
-           "seconds": {"build": int(tb), "tests": int(tt), "bench": int(tbench)}}
+summary = {"arch": arch, "build_rc": int(b), "tests_rc": int(t), "bench_rc": int(bench), "sanitizer_rc": int(san),
+           "seconds": {"build": int(tb), "tests": int(tt), "bench": int(tbench), "sanitizer": int(tsan)}}
+try:
+    summary["nvidia_smi"] = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw",
+         "--format=csv"], capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+except (OSError, subprocess.SubprocessError) as e:
+    summary["nvidia_smi"] = f"unavailable: {e}"
+san_log = out / "sanitizer.log"
+if san_log.exists():
+    summary["sanitizer"] = [l for l in san_log.read_text(errors="replace").splitlines()
+                            if l.startswith("==") or "SUMMARY" in l or " passed" in l or " failed" in l][-16:]
 log = (out / "build.log").read_text(errors="replace") if (out / "build.log").exists() else ""
 kernels, cur = [], None
 for line in log.splitlines():  # ptxas -v: "Compiling entry function 'NAME' for 'sm_XX'", then spills, registers
