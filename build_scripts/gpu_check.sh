@@ -71,10 +71,10 @@ LEFT=$(( 300 - (T3 - T0) ))
 if [[ ${build_rc} -eq 0 && -n "${SAN}" && ${LEFT} -ge 60 ]]; then
   san_rc=0
   for tool in memcheck racecheck; do
-    [[ ${tool} == memcheck ]] && SEL="batch_sweep and 64-1-dtype1-3 or sink_tokens and 4-2-2 or rows_no_sequence" \
-      || SEL="batch_sweep and 128-4-dtype0-1- or unhinted and 1-dtype0"
+    if [[ ${tool} == memcheck ]]; then SEL="batch_sweep and 128-4-dtype0-3- or sink_tokens and 4-2-2 or rows_no_sequence"
+    else SEL="batch_sweep and 128-4-dtype0-3- or unhinted and 1-dtype0 or decode_loop and 2-2-32-32"; fi
     echo "== ${tool}: -k '${SEL}'" >>"${OUT}/sanitizer.log"
-    timeout $(( LEFT / 2 )) "${SAN}" --tool "${tool}" --error-exitcode 97 ${PY} -m pytest -p no:cacheprovider -q -x \
+    timeout $(( LEFT / 2 )) "${SAN}" --tool "${tool}" --error-exitcode 97 ${PY} -m pytest -p no:cacheprovider -q \
       tests/test_kernels_gpu.py -k "${SEL}" >>"${OUT}/sanitizer.log" 2>&1
     rc=$?; echo "== ${tool} rc=${rc}" >>"${OUT}/sanitizer.log"; [[ ${rc} -ne 0 ]] && san_rc=${rc}
   done

@@ -238,20 +238,21 @@ def _quantized_tiles(ctx: _Ctx, kind: str, blk: int, h: int, r: int) -> np.ndarr
 def _key_fold(qa: np.ndarray, sk: np.ndarray, zk: np.ndarray, act: torch.dtype, bits: int
               ) -> tuple[np.ndarray, np.ndarray]:
     """foldKeyGroup: qa [N, D] (rnd(qsc) / beta) and the group's K scale / zero [D] as T -> (q'' [N, D], bias [N]).
-    bias = beta (Cl + Ch): the m16n8k8 chains over the low / high 8 channels of every 16-channel block, each MMA one
-    fp32 rounding: first qa . z, then (if alpha) q'' . (-alpha / beta)."""
+    bias = beta (Cl + Ch), C = Z - A: two m16n8k8 chains over the low / high 8 channels of every 16-channel block,
+    each MMA one fp32 rounding: Z accumulates qa . z, A (if alpha) q'' . (alpha / beta); then Z - A per half."""
     alpha, beta = code_affine(act, bits)
     qk = _round_to(_f32(qa * sk[None]), act)
     d = qa.shape[1]
     parts = []
     for half in (0, 1):
-        c = np.zeros(N, np.float32)
+        cz = np.zeros(N, np.float32)
+        ca = np.zeros(N, np.float32)
         for kb in range(d // 16):
             ch = 16 * kb + 8 * half + np.arange(8)
-            c = _f32(c + qa[:, ch].astype(np.float64) @ zk[ch].astype(np.float64))
+            cz = _f32(cz + qa[:, ch].astype(np.float64) @ zk[ch].astype(np.float64))
             if alpha:
-                c = _f32(c + qk[:, ch].astype(np.float64).sum(axis=1) * (-alpha / beta))
-        parts.append(c)
+                ca = _f32(ca + qk[:, ch].astype(np.float64).sum(axis=1) * (alpha / beta))
+        parts.append(_f32(cz - ca))
     return qk, _f32(_f32(parts[0] + parts[1]) * np.float32(beta))
 
 

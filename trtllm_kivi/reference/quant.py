@@ -79,7 +79,7 @@ def pack(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     if pad:
         c = torch.nn.functional.pad(c, (0, pad))
     c = c.reshape(*c.shape[:-1], -1, per)
-    shifts = torch.arange(per, dtype=torch.int64) * bits
+    shifts = torch.arange(per, dtype=torch.int64, device=c.device) * bits
     words = (c << shifts).sum(dim=-1)  # in [0, 2^32)
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)  # reinterpret as int32
     return words.to(torch.int32).movedim(-1, dim)
@@ -89,7 +89,7 @@ def unpack(words: torch.Tensor, bits: int, n: int, dim: int = -1) -> torch.Tenso
     """Unpack int32 words along `dim` into n codes (int32)."""
     per = codes_per_word(bits)
     w = words.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(per, dtype=torch.int64) * bits
+    shifts = torch.arange(per, dtype=torch.int64, device=w.device) * bits
     c = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     c = c.reshape(*c.shape[:-2], -1)[..., :n]
     return c.to(torch.int32).movedim(-1, dim)
@@ -127,7 +127,7 @@ def pack_fragments(codes: torch.Tensor, bits: int, kind: str) -> torch.Tensor:
     idx = _fragment_index(kind, d, bits)  # [32, nw, 2, per_half]
     tiles = codes.reshape(*lead, n // MMA_TILE_TOKENS, MMA_TILE_TOKENS * d).to(torch.int64)
     c = tiles[..., idx.reshape(-1)].reshape(*tiles.shape[:-1], *idx.shape)  # [..., tiles, 32, nw, 2, per_half]
-    shifts = torch.arange(idx.shape[-1], dtype=torch.int64) * bits
+    shifts = torch.arange(idx.shape[-1], dtype=torch.int64, device=c.device) * bits
     halves = (c << shifts).sum(dim=-1)  # [..., tiles, 32, nw, 2] in [0, 2^16)
     words = halves[..., 0] | (halves[..., 1] << 16)
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)  # reinterpret as int32
@@ -144,9 +144,9 @@ def unpack_fragments(words: torch.Tensor, bits: int, kind: str, n: int, head_dim
     lead = words.shape[:-1]
     w = words[..., : n // MMA_TILE_TOKENS * per_tile].to(torch.int64) & 0xFFFFFFFF
     w = w.reshape(*lead, n // MMA_TILE_TOKENS, *idx.shape[:2], 1, 1)  # [..., tiles, 32, nw, 1, 1]
-    half_shift = torch.tensor([0, 16], dtype=torch.int64).reshape(2, 1)
-    pos_shift = torch.arange(idx.shape[-1], dtype=torch.int64) * bits
+    half_shift = torch.tensor([0, 16], dtype=torch.int64, device=w.device).reshape(2, 1)
+    pos_shift = torch.arange(idx.shape[-1], dtype=torch.int64, device=w.device) * bits
     c = (w >> (half_shift + pos_shift)) & ((1 << bits) - 1)  # [..., tiles, 32, nw, 2, per_half]
-    out = torch.empty(*lead, n // MMA_TILE_TOKENS, MMA_TILE_TOKENS * head_dim, dtype=torch.int64)
+    out = torch.empty(*lead, n // MMA_TILE_TOKENS, MMA_TILE_TOKENS * head_dim, dtype=torch.int64, device=w.device)
     out[..., idx.reshape(-1)] = c.reshape(*c.shape[:-4], -1)
     return out.reshape(*lead, n, head_dim).to(torch.int32)

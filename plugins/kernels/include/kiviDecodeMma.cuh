@@ -614,7 +614,12 @@ struct MmaWarpState
 //! q'' = rnd(qa * s_k) for row g, channels 16 kb + 8 reg + 2t + {0, 1}; bias = sum_ch (rnd(qsc) z_k - alpha q'') by
 //! m16n8k8 MMAs whose A is the lane's existing pair (qa or q'' of channels 2t.. and 8 + 2t..: rows g and g + 8 of A
 //! are the low and high channel halves of query row g) and whose B is z_k of the low half for columns 0-3 and of
-//! the high half for columns 4-7 (-alpha/beta for every column): row g's bias is C[g][0-3] + C[g + 8][4-7].
+//! the high half for columns 4-7 (alpha/beta for every column): row g's bias is C[g][0-3] + C[g + 8][4-7].
+//! The alpha term has its own accumulator and a POSITIVE constant B, subtracted at the end: with B = (-2^b, -2^b)
+//! ptxas (CUDA 13.0) emitted HMMA.1688 with the B operand negated (-R, R = 0x5C00DC00 for fp16 and 8-bit codes),
+//! which is (-2^b, -2^b) only if the negation flips bit 31 alone; an H200 flipped both halves, so every even
+//! channel's alpha term had the wrong sign (build_scripts/gpu_diagnose.py, "shot" cases). tests/test_kernels_sass.py
+//! keeps every HMMA operand of the library unnegated.
 template <typename T, int kD, int kKB, typename S>
 __device__ __forceinline__ void foldKeyGroup(uint4 const* qaS, char const* kScale, char const* kZero, int32_t g,
     int32_t t, uint32_t (&qK)[kD / 16][2], float (&biasS)[2])
@@ -622,7 +627,8 @@ __device__ __forceinline__ void foldKeyGroup(uint4 const* qaS, char const* kScal
     uint32_t qa[kD / 16][2];
     loadQa<kD>(qaS, 4 * g + t, qa);
     using Aff = CodeAffine<T, kKB>;
-    float c[4] = {0.F, 0.F, 0.F, 0.F};
+    float c[4] = {0.F, 0.F, 0.F, 0.F};  // qa . z_k
+    float ca[4] = {0.F, 0.F, 0.F, 0.F}; // q'' . alpha / beta (alpha = 1: B = kINV_BETA2)
     int32_t const zCh = 8 * (g >> 2) + 2 * t; // B column g: the low (g < 4) or high channel half
 #pragma unroll
     for (int32_t kb = 0; kb < kD / 16; ++kb)
@@ -633,13 +639,13 @@ __device__ __forceinline__ void foldKeyGroup(uint4 const* qaS, char const* kScal
         mma1688<T>(c, qa[kb][0], qa[kb][1], stagedPair<S, T>(kZero, 16 * kb + zCh));
         if constexpr (Aff::kALPHA != 0.F)
         {
-            mma1688<T>(c, qK[kb][0], qK[kb][1], Aff::kNEG_ALPHA_INV_BETA2);
+            mma1688<T>(ca, qK[kb][0], qK[kb][1], Aff::kINV_BETA2);
         }
     }
     // (sum over channels of qa z - alpha/beta q'') * beta = bias of row g: rows g (low half, columns 2t < 4) and
     // g + 8 (high half, columns 2t >= 4)
     constexpr float kBETA = 1.F / float(1 << Aff::kLOG2_INV_BETA);
-    float v = t < 2 ? c[0] : c[2];
+    float v = t < 2 ? c[0] - ca[0] : c[2] - ca[2];
     v += __shfl_xor_sync(0xffffffffU, v, 2);
     v *= kBETA;
     biasS[0] = __shfl_sync(0xffffffffU, v, (2 * t) * 4);

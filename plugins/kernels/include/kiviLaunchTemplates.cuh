@@ -17,17 +17,15 @@ namespace trtllm_kivi
 namespace kernels
 {
 
-//! The default attention kernel for (T, D) and run-time bits, with its dynamic shared memory (opted in above 48 KB).
+//! The default attention kernel for (T, D) and run-time bits, with its dynamic shared memory. Always opted in: the
+//! 48 KB default limit counts static shared memory too (6.4 KB at D = 128), so a 48 KB stage ring (2/4-bit, D = 128)
+//! does not launch without it (seen on an H200: cudaErrorInvalidValue, occupancy 0).
 template <typename T, int kD, int kKB, int kVB>
 cudaError_t mmaKernelFor(KiviStepParams const& p, void const** fn, int32_t* smemBytes)
 {
     *fn = reinterpret_cast<void const*>(&kiviDecodeMmaKernel<T, kD, kKB, kVB>);
     *smemBytes = mmaSmemBytes<kD, kKB, kVB>(p.scaleDtype == kKIVI_FLOAT32 ? 4 : 2, p.groupSize);
-    if (*smemBytes > 48 * 1024)
-    {
-        return cudaFuncSetAttribute(*fn, cudaFuncAttributeMaxDynamicSharedMemorySize, *smemBytes);
-    }
-    return cudaSuccess;
+    return cudaFuncSetAttribute(*fn, cudaFuncAttributeMaxDynamicSharedMemorySize, *smemBytes);
 }
 
 template <typename T, int kD>
@@ -120,14 +118,11 @@ cudaError_t launchKiviAppend(KiviStepParams const& p, KiviLaunchPlan const& plan
     int32_t const chunkGroups = plan.maxChunkLen / p.groupSize;
     int32_t const gy = 1 + (chunkGroups < 1023 ? chunkGroups : 1023); // chunk CTAs stride past 1023
     int32_t const smem = appendSmemBytes<T, kD>(p.groupSize);
-    if (smem > 48 * 1024)
+    cudaError_t const err
+        = cudaFuncSetAttribute(&kiviAppendKernel<T, kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess)
     {
-        cudaError_t const err = cudaFuncSetAttribute(
-            &kiviAppendKernel<T, kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-        if (err != cudaSuccess)
-        {
-            return err;
-        }
+        return err;
     }
     kiviAppendKernel<T, kD><<<dim3(p.batch, gy, p.numKvHeads), kAPPEND_THREADS, smem, stream>>>(p, seqInfo);
     return cudaGetLastError();
