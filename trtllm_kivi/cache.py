@@ -281,8 +281,10 @@ class CudaBackend(AttentionBackend):
 
         c = self.cache
         ends = [p + n for p, n in zip(step.past, step.chunk, strict=True)]
-        # begin_step validated the lengths on the host: the kernels get exact host bounds, no host sync
-        return kivi_attention_cuda_(q, k, v, step.slot_ids, step.past_len, step.chunk_len, step.block_table,
+        # begin_step validated the lengths on the host: the kernels get exact host bounds, no host sync. The kernels
+        # read q/k/v as dense [T, heads, D]; the model's v is a view of the fused qkv projection (row stride
+        # H + 2 Hkv heads), so it is made contiguous here (an H200 run read the wrong rows before this)
+        return kivi_attention_cuda_(q.contiguous(), k.contiguous(), v.contiguous(), step.slot_ids, step.past_len, step.chunk_len, step.block_table,
                                     c.layers[layer], c.cfg, max_chunk_len=max(step.chunk), max_seq_len=max(ends),
                                     check=False)
 

@@ -98,6 +98,10 @@ def kivi_attention_cuda_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot
     lib = lib or _abi.load_library()
     if check:
         _check_tensors(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers, cfg)
+    else:  # host-side and free: the kernels index q/k/v as dense [tokens, heads, D]
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not t.is_contiguous():
+                raise ValueError(f"{name} with strides {t.stride()} must be contiguous")
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or not out.is_contiguous():
