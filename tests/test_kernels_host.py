@@ -269,3 +269,24 @@ def test_built_cuda_library_exports_the_same_abi():
     assert "head_dim=80" in lib.validate(make(headDim=80))
     p = make(batch=3, tokens=40)
     assert lib.launch_plan(p) == model.launch_plan(KiviConfig(), 32, 8, 128, 3, 40, 64).__dict__
+
+
+def test_strided_qkv_are_refused_without_the_full_check(host_lib):
+    """check=False (the runner's fast path) still refuses a strided q/k/v: the kernels read dense [tokens, heads, D]
+    rows, and on an H200 the model's v (a view of the fused qkv projection) was read as garbage before the cuda
+    backend made it contiguous. Oracle: ValueError naming the tensor, raised before any launch."""
+    import torch
+
+    from trtllm_kivi.cuda.ops import kivi_attention_cuda_
+    from trtllm_kivi.reference import KiviBuffers
+    cfg = KiviConfig()
+    buf = KiviBuffers.allocate(cfg, 2, 64, 2, 1, torch.float16)
+    qkv = torch.zeros(2, (4 + 2 + 2) * 64, dtype=torch.float16)  # 2 tokens: a 1-token view counts as contiguous
+    q, k, v = (x.view(2, -1, 64) for x in qkv.split([4 * 64, 2 * 64, 2 * 64], dim=-1))
+    i = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"q with strides .* must be contiguous"):
+        kivi_attention_cuda_(q, k, v, i, i, i + 1, torch.zeros(1, 2, dtype=torch.int32), buf, cfg, check=False,
+                             lib=host_lib)
+    with pytest.raises(ValueError, match=r"v with strides .* must be contiguous"):
+        kivi_attention_cuda_(q.contiguous(), k.contiguous(), v, i, i, i + 1, torch.zeros(1, 2, dtype=torch.int32),
+                             buf, cfg, check=False, lib=host_lib)
