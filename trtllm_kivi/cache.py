@@ -284,9 +284,9 @@ class CudaBackend(AttentionBackend):
         # begin_step validated the lengths on the host: the kernels get exact host bounds, no host sync. The kernels
         # read q/k/v as dense [T, heads, D]; the model's v is a view of the fused qkv projection (row stride
         # H + 2 Hkv heads), so it is made contiguous here (an H200 run read the wrong rows before this)
-        return kivi_attention_cuda_(q.contiguous(), k.contiguous(), v.contiguous(), step.slot_ids, step.past_len, step.chunk_len, step.block_table,
-                                    c.layers[layer], c.cfg, max_chunk_len=max(step.chunk), max_seq_len=max(ends),
-                                    check=False)
+        return kivi_attention_cuda_(q.contiguous(), k.contiguous(), v.contiguous(), step.slot_ids, step.past_len,
+                                    step.chunk_len, step.block_table, c.layers[layer], c.cfg,
+                                    max_chunk_len=max(step.chunk), max_seq_len=max(ends), check=False)
 
 
 class CpuBackend(AttentionBackend):
