@@ -15,11 +15,19 @@ import importlib.util
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from trtllm_kivi.cuda import find_library
+
+ROOT = Path(__file__).resolve().parents[1]
+if "kernel_model" not in sys.modules:  # the static model's tool finder (benchmarks/kernel_model.py), as test_kernel_model
+    _spec = importlib.util.spec_from_file_location("kernel_model", ROOT / "benchmarks" / "kernel_model.py")
+    sys.modules["kernel_model"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["kernel_model"])
+km = sys.modules["kernel_model"]
 
 _MMA = re.compile(r"\b(H|Q|I)?[HG]?MMA\.[\w.]+\s+([^;]*);")
 
@@ -32,15 +40,6 @@ def negated_mma_operands(sass: str) -> list[str]:
         if any(o.startswith(("-", "|")) for o in operands):
             bad.append(m.group(0))
     return bad
-
-
-def _wheel_tool(name: str) -> Path | None:
-    spec = importlib.util.find_spec("nvidia")
-    for loc in (spec.submodule_search_locations or []) if spec else []:
-        p = Path(loc) / "cu13" / "bin" / name
-        if p.exists():
-            return p
-    return None
 
 
 def test_the_check_finds_the_instruction_seen_on_the_h200():
@@ -56,10 +55,11 @@ def test_library_mma_operands_are_not_negated():
     lib = find_library()
     if lib is None:
         pytest.skip("KIVI kernel library not built (build_scripts/build_plugin.sh)")
-    cuobjdump, nvdisasm = _wheel_tool("cuobjdump"), _wheel_tool("nvdisasm")
-    if cuobjdump is None or nvdisasm is None:
-        pytest.skip("cuobjdump / nvdisasm wheels not installed (pip install -e '.[test]')")
-    env = {**os.environ, "PATH": f"{nvdisasm.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    try:
+        cuobjdump, nvdisasm = km.find_wheel_tool("cuobjdump"), km.find_wheel_tool("nvdisasm")
+    except km.ToolMissing as e:
+        pytest.skip(str(e))
+    env = {**os.environ, "PATH": f"{Path(nvdisasm).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     res = subprocess.run([str(cuobjdump), "-sass", str(lib)], capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     n_mma = len(_MMA.findall(res.stdout))
