@@ -387,16 +387,28 @@ struct Attn
         }
     }
 
-    // The digits of rows' staged coefficients of tiles [t0, t1) (one block; valuesStage); false if one is NaN.
+    // The value digits (and zacc) of rows r0 .. r0 + nr of tiles [t0, t1) (one block from store entry idx; valuesStage):
+    // S::valueCoefDigits; false if a coefficient is NaN.
     template <class X = S>
-    static bool valueDigitRows(int rows, int ng, int qa, int t0, int t1, Scratch& s)
+    static bool valueCoefDigitRows(const Ctx& c, int64_t idx, int nr, int ng, int qa, int t0, int t1, const float* p,
+        int r0, Scratch& s)
     {
-        bool ok = true;
-        const int64_t cs = int64_t(ng) * scoreStride();
-        for (int row = 0; row < rows; ++row)
-            ok &= X::valueDigits(s.coef + row * cs + (t0 - qa) * ng, ng, (t1 - t0) / 16, s.vfix + 4,
-                s.vdig + row * kDOT8_VALUE_DWORDS + (t0 - qa) / 16 * 16);
-        return ok;
+        int32_t* dig = s.vdig + int64_t(r0) * kDOT8_VALUE_DWORDS + (t0 - qa) / 16 * 16;
+        float* zacc = s.zacc + r0 * 8;
+        const int nt = (t1 - t0) / 16;
+#define KIVI_VCD(NR, NG)                                                                                              \
+    X::template valueCoefDigits<NR, NG>(c.vScale, c.vZero, idx, c.scaleDtype, nt, p, scoreStride(), s.vfix + 4,     \
+        zacc, dig, kDOT8_VALUE_DWORDS)
+#define KIVI_VCD_NG(NR) (ng == 1 ? KIVI_VCD(NR, 1) : ng == 2 ? KIVI_VCD(NR, 2) : KIVI_VCD(NR, 4))
+        switch (nr)
+        {
+        case 1: return KIVI_VCD_NG(1);
+        case 2: return KIVI_VCD_NG(2);
+        case 3: return KIVI_VCD_NG(3);
+        default: return KIVI_VCD_NG(4);
+        }
+#undef KIVI_VCD_NG
+#undef KIVI_VCD
     }
 
     // Scores of per-channel quantized keys [t0, t0 + G) (positions; one group at row r of physical block blk) for
@@ -752,7 +764,8 @@ struct Attn
     // Stage per-token quantized values t in [t0, t1) (whole tiles of one block) of the span starting at qa:
     // coef = p_t * scale per token and group, zacc += sum_t p_t * zero per group (added once at the end of the split),
     // and the transposed tiles. Every store byte of the values is read here (valuesAccumulate reads scratch only).
-    // dot8 (S::kDOT8, valueDigitScales true): also the rows' digits; returns false if a coefficient is NaN.
+    // dot8 (S::kDOT8, valueDigitScales true): the rows' digits instead of coef (valueCoefDigitRows); returns false if
+    // a coefficient is NaN.
     // dn (S::kDENORMAL2): coefficients scaled for the subnormal decode; dnOk is cleared if one is not finite (then
     // the caller stages the span again without dn).
     template <int BITS>
@@ -763,12 +776,19 @@ struct Attn
         const int jq = t0 - sp.sink; // store index; [t0, t1) lies in one block
         const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + jq / c.BS];
         const int64_t idx = ((int64_t(blk) * c.Hkv + g) * c.BS + jq % c.BS) * ng;
+        bool ok8 = true;
         for (int r0 = 0; r0 < rows; r0 += RB) // each scale / zero vector converted once per RB rows
         {
             const float* p = s.scores + int64_t(r0) * scoreStride() + (t0 - a);
             float* cf = s.coef + int64_t(r0) * ng * scoreStride() + (t0 - qa) * ng;
             float* zacc = s.zacc + r0 * 8;
             const int nr = imin(RB, rows - r0), n = (t1 - t0) * ng;
+            if constexpr (S::kDOT8 && BITS == 2) // the digits straight from p and the scales
+                if (dot8)
+                {
+                    ok8 = valueCoefDigitRows(c, idx, nr, ng, qa, t0, t1, p, r0, s) && ok8;
+                    continue;
+                }
             if constexpr (S::kDENORMAL2 && BITS == 2) // stageCoefs<., true> exists only for these S
                 if (dn)
                 {
@@ -786,10 +806,7 @@ struct Attn
                 __builtin_prefetch(reinterpret_cast<const char*>(words + 4 * TILE_WORDS) + i, 0, 2);
             transposeTile<BITS>(words, s.tw + int64_t(t - qa) / 16 * TILE_WORDS);
         }
-        if constexpr (S::kDOT8 && BITS == 2)
-            if (dot8)
-                return valueDigitRows(rows, ng, qa, t0, t1, s);
-        return true;
+        return ok8;
     }
 
     // acc += coef_t * code_t over the staged span [qa, qend) (valuesStage; the zero terms are in zacc). Reads scratch only.
@@ -884,6 +901,64 @@ struct Attn
             }
     }
 
+    // acc (+ zacc) of head g's rows over the quantized span [qa, qend) of a split (block by block; s: the head's scratch,
+    // its transposed tiles, coefficients and value digits in buf's).
+    static void valuesOfHead(const Ctx& c, const SeqPlan& sp, int g, int rows, int qa, int qend, int a, Scratch& s,
+        const Scratch& buf)
+    {
+        int32_t* const ownTw = s.tw;
+        int32_t* const ownVdig = s.vdig;
+        float* const ownCoef = s.coef;
+        s.tw = buf.tw;
+        s.vdig = buf.vdig;
+        s.coef = buf.coef;
+        auto blockEnd = [&](int t) { return imin(qend, t + (c.BS - (t - sp.sink) % c.BS)); };
+        // integer dot products for 2-bit values (S::kDOT8) unless the scales or p do not allow them; the subnormal
+        // decode (S::kDENORMAL2) for 2-bit values unless a coefficient is not finite
+        bool dot8 = false;
+        if constexpr (S::kDOT8)
+            if (c.vBits == 2)
+                dot8 = valueDigitScales(c, sp, g, qa, qend, s);
+        const bool tried8 = dot8;
+        bool dn = S::kDENORMAL2 && c.vBits == 2, dnOk = true;
+        for (int t = qa; t < qend; t = blockEnd(t))
+            switch (c.vBits)
+            {
+            case 2: dot8 = valuesStage<2>(c, sp, g, rows, qa, t, blockEnd(t), a, s, dot8, dn, dnOk) && dot8; break;
+            case 4: valuesStage<4>(c, sp, g, rows, qa, t, blockEnd(t), a, s, false, false, dnOk); break;
+            default: valuesStage<8>(c, sp, g, rows, qa, t, blockEnd(t), a, s, false, false, dnOk); break;
+            }
+        // a coefficient too large for the subnormal decode, or a NaN one (the digits' blocks did not keep their
+        // coefficients): the span again, fp32
+        if ((dn && !dnOk) || (tried8 && !dot8))
+        {
+            dn = false;
+            for (int i = 0; i < rows * 8; ++i)
+                s.zacc[i] = 0.0f;
+            for (int t = qa; t < qend; t = blockEnd(t))
+                valuesStage<2>(c, sp, g, rows, qa, t, blockEnd(t), a, s, false, false, dnOk);
+        }
+        if constexpr (S::kDOT8)
+            if (dot8)
+                valuesAccumulateDot8(c, rows, qa, qend, s);
+        if (!dot8)
+        {
+            switch (c.vBits)
+            {
+            case 2: valuesAccumulate<2>(c, rows, qa, qend, s, dn); break;
+            case 4: valuesAccumulate<4>(c, rows, qa, qend, s, false); break;
+            default: valuesAccumulate<8>(c, rows, qa, qend, s, false); break;
+            }
+        }
+        for (int row = 0; row < rows; ++row)
+            for (int n = 0; n < NV; ++n) // Gv >= 32 >= W: a vector lies in one value group
+                S::store(s.acc + row * D + n * W,
+                    S::add(S::load(s.acc + row * D + n * W), S::set1(s.zacc[row * 8 + n * W / c.Gv])));
+        s.tw = ownTw;
+        s.vdig = ownVdig;
+        s.coef = ownCoef;
+    }
+
     // The partials (m, l, acc[D]) of every row of a tile over split `split` for KV heads [g0, g1), into hs[g - g0].part.
     // Quantized keys and values are read block by block and, within a block, head by head: the store keeps a block's
     // heads adjacent ([block][Hkv][...]), so every buffer is walked forward and the hardware prefetchers follow it
@@ -962,66 +1037,13 @@ struct Attn
                     s.zacc[row * 8 + i] = 0.0f;
             }
         }
-        // 3. acc = sum_t p_t v_t
+        // 3. acc = sum_t p_t v_t, head by head: a head's staged span (transposed tiles, digits) is accumulated while it
+        // is in L1, and every head stages into the first head's buffers (staging all heads first wrote a split-long
+        // array per head: a write miss per store, 0.9x the op's time on an Intel Xeon). The values were prefetched
+        // into L2 with the keys (scoresPerChannel).
         if (qa < qend)
-        {
-            // integer dot products for 2-bit values (S::kDOT8) per head, unless its scales or p do not allow them
-            bool dot8[kMAX_HEADS_PER_PASS] = {};
-            if constexpr (S::kDOT8)
-                if (c.vBits == 2)
-                    for (int g = g0; g < g1; ++g)
-                        dot8[g - g0] = valueDigitScales(c, sp, g, qa, qend, hs[g - g0]);
-            // subnormal decode for 2-bit values (S::kDENORMAL2) per head, unless a coefficient is not finite
-            bool dn[kMAX_HEADS_PER_PASS], dnOk[kMAX_HEADS_PER_PASS];
             for (int g = g0; g < g1; ++g)
-            {
-                dn[g - g0] = S::kDENORMAL2 && c.vBits == 2;
-                dnOk[g - g0] = true;
-            }
-            for (int t = qa; t < qend; t = blockEnd(t))
-                for (int g = g0; g < g1; ++g)
-                {
-                    bool& d8 = dot8[g - g0];
-                    bool& ok = dnOk[g - g0];
-                    switch (c.vBits)
-                    {
-                    case 2: d8 = valuesStage<2>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0], d8, dn[g - g0], ok)
-                            && d8;
-                        break;
-                    case 4: valuesStage<4>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0], false, false, ok); break;
-                    default: valuesStage<8>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0], false, false, ok); break;
-                    }
-                }
-            for (int g = g0; g < g1; ++g) // a coefficient too large for the subnormal decode: the span again, fp32
-                if (dn[g - g0] && !dnOk[g - g0])
-                {
-                    dn[g - g0] = false;
-                    for (int i = 0; i < rows * 8; ++i)
-                        hs[g - g0].zacc[i] = 0.0f;
-                    for (int t = qa; t < qend; t = blockEnd(t))
-                        valuesStage<2>(c, sp, g, rows, qa, t, blockEnd(t), a, hs[g - g0], false, false, dnOk[g - g0]);
-                }
-            for (int g = g0; g < g1; ++g)
-            {
-                Scratch& s = hs[g - g0];
-                if constexpr (S::kDOT8)
-                    if (dot8[g - g0])
-                        valuesAccumulateDot8(c, rows, qa, qend, s);
-                if (!dot8[g - g0])
-                {
-                    switch (c.vBits)
-                    {
-                    case 2: valuesAccumulate<2>(c, rows, qa, qend, s, dn[g - g0]); break;
-                    case 4: valuesAccumulate<4>(c, rows, qa, qend, s, false); break;
-                    default: valuesAccumulate<8>(c, rows, qa, qend, s, false); break;
-                    }
-                }
-                for (int row = 0; row < rows; ++row)
-                    for (int n = 0; n < NV; ++n) // Gv >= 32 >= W: a vector lies in one value group
-                        S::store(s.acc + row * D + n * W,
-                            S::add(S::load(s.acc + row * D + n * W), S::set1(s.zacc[row * 8 + n * W / c.Gv])));
-            }
-        }
+                valuesOfHead(c, sp, g, rows, qa, qend, a, hs[g - g0], hs[0]);
         for (int g = g0; g < g1; ++g)
         {
             Scratch& s = hs[g - g0];
