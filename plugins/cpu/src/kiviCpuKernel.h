@@ -1107,20 +1107,36 @@ struct Attn
                 part[1] = 0.0f;
                 continue;
             }
-            typename S::F mv = S::set1(-__builtin_inff());
-            for (int t = 0; t < spanPad; t += W)
-                mv = S::max(mv, S::load(sc + t));
-            const float m = S::hmax(mv);
-            const typename S::F msub = S::set1(m);
-            typename S::F lv = S::zero();
-            for (int t = 0; t < spanPad; t += W)
+            // two chains for the max and the sum (spanPad is a multiple of W, not of 2 W): half the latency
+            typename S::F mv = S::set1(-__builtin_inff()), mv2 = mv;
+            int t = 0;
+            for (; t + 2 * W <= spanPad; t += 2 * W)
             {
-                typename S::F p = S::exp(S::sub(S::load(sc + t), msub));
+                mv = S::max(mv, S::load(sc + t));
+                mv2 = S::max(mv2, S::load(sc + t + W));
+            }
+            if (t < spanPad)
+                mv = S::max(mv, S::load(sc + t));
+            const float m = S::hmax(S::max(mv, mv2));
+            const typename S::F msub = S::set1(m);
+            typename S::F lv = S::zero(), lv2 = S::zero();
+            for (t = 0; t + 2 * W <= spanPad; t += 2 * W)
+            {
+                const typename S::F p = S::exp(S::sub(S::load(sc + t), msub));
+                const typename S::F p2 = S::exp(S::sub(S::load(sc + t + W), msub));
+                S::store(sc + t, p);
+                S::store(sc + t + W, p2);
+                lv = S::add(lv, p);
+                lv2 = S::add(lv2, p2);
+            }
+            if (t < spanPad)
+            {
+                const typename S::F p = S::exp(S::sub(S::load(sc + t), msub));
                 S::store(sc + t, p);
                 lv = S::add(lv, p);
             }
             part[0] = m;
-            part[1] = S::hsum(lv);
+            part[1] = S::hsum(S::add(lv, lv2));
         }
     }
 
