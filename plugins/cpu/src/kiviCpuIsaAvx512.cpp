@@ -444,7 +444,7 @@ struct S
     // The value digits of NR <= 4 rows over nt tiles of one block (stageCoefs and the digits in one pass, no fp32
     // coefficient array: staging one and converting it measured 1.1x the op's time on an Intel Xeon). Entry e = t NG
     // + gi (token-major, as stored, from store entry idx): n = round(p_t * (scale_e * inv[gi])) (inv: 2^22 / F per
-    // group), zacc[i 8 + gi] += sum_t p_t zero_e; dig + i digStride: [(gi kSPLIT_LEN / 16 + tile) 16 + 4 k + tq]
+    // group; one rounding), zacc[i 8 + gi] += sum_t p_t zero_e; dig + i digStride: [(gi kSPLIT_LEN / 16 + tile) 16 + 4 k + tq]
     // (dwords), byte b = token 16 tile + 8 (b >> 1) + 2 tq + (b & 1). p: row 0's p of the block's first token (row
     // stride pStride). False if a coefficient is NaN.
     template <int NR, int NG>
@@ -462,8 +462,12 @@ struct S
         __m512i gidx[NG];
         for (int gi = 0; gi < NG; ++gi)
             gidx[gi] = _mm512_loadu_si512(kVALUE_GATHER.idx[NG - 1 + gi].data());
+        // n + 0x808080 in one rounding: fma(p, scale inv, 0x808080) is exact to the integer (|p scale inv| <= 2^22,
+        // the sum below 2^24) and rounds half to even like vcvtps2dq (0x808080 is even); a NaN converts to 0x80000000,
+        // the only negative result (min over all of them)
+        const __m512 biasF = _mm512_set1_ps(float(0x808080));
         const __m512i bias = _mm512_set1_epi32(0x808080);
-        __mmask16 bad = 0;
+        __m512i mn = _mm512_setzero_si512();
         for (int tile = 0; tile < nt; ++tile)
         {
             __m512i w[NR][NG];
@@ -475,9 +479,9 @@ struct S
                 for (int i = 0; i < NR; ++i)
                 {
                     const __m512 pv = spread(p + i * pStride + (e >> SH), NG);
-                    const __m512 x = _mm512_mul_ps(pv, sc);
-                    bad |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-                    w[i][v] = _mm512_xor_si512(_mm512_add_epi32(_mm512_cvtps_epi32(x), bias), bias);
+                    const __m512i n = _mm512_cvtps_epi32(_mm512_fmadd_ps(pv, sc, biasF));
+                    mn = _mm512_min_epi32(mn, n);
+                    w[i][v] = _mm512_xor_si512(n, bias);
                     z[i] = _mm512_fmadd_ps(pv, zr, z[i]);
                 }
             }
@@ -504,7 +508,7 @@ struct S
             for (int l = 0; l < 16; ++l) // lane l holds group l % NG
                 zacc[i * 8 + (l & (NG - 1))] += zl[l];
         }
-        return bad == 0;
+        return _mm512_reduce_min_epi32(mn) >= 0;
     }
 
     // acc[i][32 j + c] += rec sum_t coef_it code_tc over nt transposed 2-bit value tiles (consecutive, D words
