@@ -253,10 +253,12 @@ struct S
 
     static constexpr float kFIX = 4194304.0f; // 2^22: |n| <= 2^22 keeps n + 0x808080 in [0, 2^24)
 
+    // n + 0x808080 in one rounding: fma(x, inv, 0x808080) is exact to the integer (|x inv| <= 2^22, the sum in
+    // [0, 2^24)) and rounds half to even like vcvtps2dq (0x808080 is even)
     static __m512i fixDigits(__m512 x, __m512 inv)
     {
-        const __m512i bias = _mm512_set1_epi32(0x808080);
-        return _mm512_xor_si512(_mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x, inv)), bias), bias);
+        return _mm512_xor_si512(_mm512_cvtps_epi32(_mm512_fmadd_ps(x, inv, _mm512_set1_ps(float(0x808080)))),
+            _mm512_set1_epi32(0x808080));
     }
 
     // acc += codes . broadcast(*d) (vpdpbusd with an embedded {1to16} broadcast): g++ 12 neither folds
@@ -290,18 +292,24 @@ struct S
             0, 0, 0), v));
     }
 
-    // |key scale| maxima of one key group (its D scales from entry off): smax[d] = max(smax[d], |scale_d|); false if a
-    // scale is not finite.
+    // |key scale| maxima of ng consecutive key groups (D scales each from entry off): smax[d] = max |scale_d|; false
+    // if a scale is not finite.
     template <int D>
-    static bool keyScaleMax(const void* base, int64_t off, int32_t dtype, float* smax)
+    static bool keyScaleMax(const void* base, int64_t off, int ng, int32_t dtype, float* smax)
     {
+        __m512 m[D / 16];
         __mmask16 bad = 0;
         for (int n = 0; n < D / 16; ++n)
-        {
-            const __m512 a = _mm512_abs_ps(loadAct(base, off + 16 * n, dtype));
-            bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ); // inf or NaN
-            _mm512_storeu_ps(smax + 16 * n, _mm512_max_ps(_mm512_loadu_ps(smax + 16 * n), a));
-        }
+            m[n] = _mm512_setzero_ps();
+        for (int gi = 0; gi < ng; ++gi)
+            for (int n = 0; n < D / 16; ++n)
+            {
+                const __m512 a = _mm512_abs_ps(loadAct(base, off + int64_t(gi) * D + 16 * n, dtype));
+                bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ); // inf or NaN
+                m[n] = _mm512_max_ps(m[n], a);
+            }
+        for (int n = 0; n < D / 16; ++n)
+            _mm512_storeu_ps(smax + 16 * n, m[n]);
         return bad == 0;
     }
 

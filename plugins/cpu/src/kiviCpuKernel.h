@@ -286,11 +286,10 @@ struct Attn
     static bool keyDigitScales(const Ctx& c, int g, int rows, int32_t blk, int r, int n, Scratch& s)
     {
         float* const smax = s.ksc; // ksc is free: the kDOT8 path loads the scales itself
-        for (int i = 0; i < NV; ++i)
-            S::store(smax + i * W, S::zero());
-        for (int rr = r; rr < r + n; rr += c.G)
-            if (!X::template keyScaleMax<D>(c.kScale, keyScaleOffset(c, g, blk, rr), c.scaleDtype, smax))
-                return false;
+        // the groups of rows [r, r + n) are consecutive in the store ([block][Hkv][BS / G][D])
+        if (!X::template keyScaleMax<D>(c.kScale, keyScaleOffset(c, g, blk, r), (n + c.G - 1) / c.G, c.scaleDtype,
+                smax))
+            return false;
         for (int r0 = 0; r0 < rows; r0 += 4)
         {
             const float* qf = s.qf + r0 * D;
