@@ -33,6 +33,9 @@ static inline int64_t windowRowOf(int64_t t, int32_t sinks, int32_t ringRows)
     return t < sinks ? t : sinks + (t - sinks) % ringRows;
 }
 
+// Splits before the one holding the window's ring rows that prefetch them (kernel::Attn::prefetchWindowShare)
+constexpr int32_t kWINDOW_LEAD = 4;
+
 // Splits that hold keys [0, n) (at least 1).
 static inline int32_t numSplitsOf(int32_t n, int32_t sinks)
 {

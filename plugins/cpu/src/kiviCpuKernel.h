@@ -979,6 +979,13 @@ struct Attn
         {
             if (c.keyGrouping == 0)
             {
+                // The window's ring rows [sink + nq, past) are read by the split that holds them, at the rate of
+                // the fill buffers (the fp16 op's rate: 5-6% of KIVI-2's time at 8K); the kWINDOW_LEAD splits before
+                // it prefetch them into L2, a share per key group call, so that read overlaps their quantized work.
+                const int wa = sp.sink + sp.nq, wsplit = numSplitsOf(wa + 1, c.sinks) - 1;
+                const int lead = imin(kWINDOW_LEAD, wsplit), calls = (g1 - g0) * (kSPLIT_LEN / c.G);
+                const bool pfWin = sp.past > wa && split < wsplit && split >= wsplit - lead;
+                int call = (split - (wsplit - lead)) * calls;
                 for (int t = qa; t < qend; t = blockEnd(t))
                 {
                     // the block lookups once per block (divisions by the run-time block size)
@@ -997,6 +1004,8 @@ struct Attn
                     for (int g = g0; g < g1; ++g)
                         for (int t0 = t; t0 < tEnd; t0 += c.G)
                         {
+                            if (pfWin)
+                                prefetchWindowShare(c, sp, g0, g1, wa, sp.past, call++, lead * calls);
                             const int r = r0 + (t0 - t);
                             switch (c.kBits)
                             {
@@ -1083,6 +1092,25 @@ struct Attn
         if (chStart < b)
             fn(keys ? c.k : c.v, c.actDtype,
                 [&](int t) { return (int64_t(sp.tokOffset + t - sp.past) * c.Hkv + g) * D; }, chStart, b);
+    }
+
+    // Software prefetch (into L2) of share `part` of `parts` of the window's key and value rows of positions [a, b)
+    // (ring rows) of heads [g0, g1).
+    __attribute__((always_inline)) static inline void prefetchWindowShare(const Ctx& c, const SeqPlan& sp, int g0, int g1, int a, int b, int part, int parts)
+    {
+        const int n = (g1 - g0) * (b - a), i0 = int(int64_t(n) * part / parts), i1 = int(int64_t(n) * (part + 1) / parts);
+        const int eb = dtypeBytes(c.actDtype);
+        for (int i = i0; i < i1; ++i)
+        {
+            const int64_t row = (int64_t(sp.slot) * c.Hkv + g0 + i / (b - a)) * c.winRows
+                + windowRowOf(a + i % (b - a), c.sinks, c.W);
+            for (int kv = 0; kv < 2; ++kv)
+            {
+                const char* p = static_cast<const char*>(kv == 0 ? c.kWin : c.vWin) + row * D * eb;
+                for (int j = 0; j < D * eb; j += 64)
+                    __builtin_prefetch(p + j, 0, 2);
+            }
+        }
     }
 
     // 2. softmax numerators per row over its causal range [a, min(b, pos + 1)); p = 0 elsewhere; (m, l) into s.part
