@@ -4,7 +4,8 @@
 // (keyTileDn / valueBlockDn, kiviCpuDenormal2.h: one AND, row blocks of 3, then 2 or 1), on L1-resident scratch as the op stages it, for the decode rows of a GQA group
 // (SmolLM2: D 64, 3 rows; Llama-3-8B: D 128, 4 rows). Both loops do NR D 16 / 8 fp32 FMAs per tile; the floor assumes
 // two 8-wide FMAs per cycle (Zen 3, Intel since Haswell). The core clock is measured in the same run by a dependent
-// add chain (1 cycle per add). On a CPU with AVX-512 VNNI + VBMI the avx512vnni loops are timed too
+// imul chain (3 cycles per imul on Intel and AMD cores; a dependent add-immediate chain runs faster than 1 per cycle
+// on Golden Cove-class cores, which eliminate such adds at rename: it read 11.8 GHz on a 3 GHz Xeon). On a CPU with AVX-512 VNNI + VBMI the avx512vnni loops are timed too
 // (cpu_inner_loops_vnni.cpp: keyTileDot8 / valueSpanDot8, with their count of 512-bit vpdpbusd per tile; Zen 4 issues
 // one per cycle). Prints JSON (benchmarks/results/cpu_inner_loops_avx2.json, cpu_inner_loops_zen4.json):
 //
@@ -32,13 +33,13 @@ static bool hasVnni()
 
 static double clockGhz()
 {
-    const long n = 400000000;
+    const long n = 100000000;
     const double s = bestSeconds([&] {
-        long x = 0;
+        long x = 3;
         for (long i = 0; i < n; ++i)
-            asm volatile("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0" : "+r"(x));
+            asm volatile("imul %0, %0\n\timul %0, %0\n\timul %0, %0\n\timul %0, %0" : "+r"(x));
     });
-    return 4.0 * n / s / 1e9;
+    return 12.0 * n / s / 1e9;
 }
 
 // Cycles per 16-token tile of keyTile and of valueBlock over all D / 32 channel blocks (a 512-token split of tiles).
