@@ -152,26 +152,23 @@ struct S
             return _cvtsh_ss(static_cast<const uint16_t*>(base)[i]);
         return loadScalar(base, i, dtype);
     }
-    // exp for softmax arguments (x <= 0; NaN propagates, below kEXP_LO exact 0): n = round(x log2 e) (vrndscaleps),
-    // r = x - n ln 2 in two parts, exp(r) = 1 + r (1 + r P(r)) with Cephes' P (kernel::expScalar's), times 2^n by
-    // vscalefps: 12 vector operations against 19 for expScalar's formula lane-wise (its exponent bit arithmetic and
-    // clamps), which made the softmax about 7% of the op's time on an Intel Xeon. Relative error ~1e-7.
+    // exp for softmax arguments (x <= 0; NaN propagates, below kEXP_LO exact 0) as 2^t, t = x log2 e: n = round(t)
+    // (vrndscaleps), f = t - n (exact) in [-1/2, 1/2], 2^f by a degree-5 polynomial (relative-error minimax fit on
+    // the interval: 7.5e-8 exact, 2.4e-7 evaluated in fp32), times 2^n by vscalefps: 10 vector operations, where
+    // expScalar's formula lane-wise took 19 (softmax was ~9% of the op's time on an Intel Xeon). t's rounding
+    // (relative 2^-24) moves the result by at most |x| 2^-24 ln 2 relative, below 2^-24 where exp(x) > 2^-24.
     static F exp(F x)
     {
-        const __m512 lo = _mm512_set1_ps(kEXP_LO);
-        const __m512 xc = _mm512_max_ps(lo, x); // NaN stays NaN (max returns its second operand then)
-        const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
-            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-        r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-        __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500E-4f), r, _mm512_set1_ps(1.3981999507E-3f));
-        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
-        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
-        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
-        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
-        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-        return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), y, n);
+        const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+        const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 f = _mm512_sub_ps(t, n); // -inf - -inf = NaN: masked below
+        __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(0.0013276461977511644f), f, _mm512_set1_ps(0.009675540961325169f));
+        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.05550713464617729f));
+        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.24022120237350464f));
+        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.6931469440460205f));
+        y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0000001192092896f));
+        // x >= kEXP_LO or NaN: 2^n y (n >= -126: a normal number); below: 0, as expScalar
+        return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(kEXP_LO), _CMP_NLT_UQ), y, n);
     }
     // dst[c * 8 + r] = src[r * srcStride + c] for r, c in [0, 8): rows 2 i, 2 i + 1 in z[i] (source (r, c) at lane
     // 8 (r % 2) + c of z[r / 2]); output columns 2 o, 2 o + 1 from two 2-source permutes (rows 0..3, 4..7) and a
