@@ -578,7 +578,11 @@ int32_t runAttention(Ctx& ctx, const IsaKernels& k, int threads, int32_t batch, 
         }
         seqs.push_back(sp);
     }
-    std::vector<float> partials(size_t(partialFloats > 0 ? partialFloats : 1));
+    // per-calling-thread buffers, grown and kept (no allocation, zeroing or page faults per call). New floats are NaN:
+    // the kernels write every scratch and partial float before reading it, and a stray read would show in the tests.
+    thread_local std::vector<float> partials, scratch;
+    if (partials.size() < size_t(partialFloats > 0 ? partialFloats : 1))
+        partials.resize(size_t(partialFloats > 0 ? partialFloats : 1), std::nanf(""));
     ctx.seqs = seqs.data();
     ctx.partials = partials.data();
 
@@ -609,15 +613,18 @@ int32_t runAttention(Ctx& ctx, const IsaKernels& k, int threads, int32_t batch, 
             }
         }
     const int64_t perThread = scratchFloatsPerThread(ctx.grp, ctx.D);
-    std::vector<float> scratch(size_t(perThread) * nThreads);
+    if (scratch.size() < size_t(perThread) * nThreads)
+        scratch.resize(size_t(perThread) * nThreads, std::nanf(""));
+    // the calling thread's buffer (a thread_local named inside the lambdas would be each worker's own)
+    float* const scratchBase = scratch.data();
     pool().run(nThreads, int64_t(items.size()),
-        [&](int64_t i, int tid) { k.attendItem(ctx, items[size_t(i)], scratch.data() + perThread * tid); });
+        [&](int64_t i, int tid) { k.attendItem(ctx, items[size_t(i)], scratchBase + perThread * tid); });
     // phase 2: merges (read partials, write out) and appends (write the cache) touch disjoint memory
     const int64_t nAfter = after ? int64_t(batch) * ctx.Hkv : 0;
     pool().run(nThreads, int64_t(merges.size()) + nAfter,
         [&](int64_t i, int tid) {
             if (i < int64_t(merges.size()))
-                k.mergeItem(ctx, merges[size_t(i)], scratch.data() + perThread * tid);
+                k.mergeItem(ctx, merges[size_t(i)], scratchBase + perThread * tid);
             else
             {
                 const int64_t j = i - int64_t(merges.size());
