@@ -426,11 +426,10 @@ struct S
         }
     }
 
-    // f[l % ng] = max(f[l % ng], scale) over n (a multiple of 16) value scales from entry idx (lane l: group l % ng);
-    // false if one is negative or not finite.
-    static bool maxNonNegative(const void* base, int64_t idx, int n, int32_t dtype, int ng, float* f)
+    // mx = max(mx, scale) lane-wise over n (a multiple of 16) value scales from entry idx (lane l: group l % ng, as
+    // entries are token-major); false if one is negative or not finite.
+    static bool maxNonNegative(const void* base, int64_t idx, int n, int32_t dtype, F& mx)
     {
-        __m512 mx = _mm512_setzero_ps();
         __mmask16 bad = 0;
         for (int e = 0; e < n; e += 16)
         {
@@ -439,11 +438,29 @@ struct S
                 | _mm512_cmp_ps_mask(x, _mm512_set1_ps(FLT_MAX), _CMP_GT_OQ); // +inf
             mx = _mm512_max_ps(mx, x);
         }
+        return bad == 0;
+    }
+
+    // f[gi] = the largest lane of group gi (lanes l with l % ng == gi) of maxNonNegative's mx.
+    static void groupMax(F mx, int ng, float* f)
+    {
+        if (ng <= 2) // fold the lanes 8 apart, then 4, then (ng 1) 2 and 1: lanes 0 .. ng - 1 hold the maxima
+            mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, 0x4E));
+        if (ng <= 2)
+            mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, 0xB1));
+        if (ng <= 2)
+            mx = _mm512_max_ps(mx, _mm512_permute_ps(mx, 0x4E));
+        if (ng == 1)
+            mx = _mm512_max_ps(mx, _mm512_permute_ps(mx, 0xB1));
+        if (ng == 4)
+        {
+            mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, 0x4E));
+            mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, 0xB1));
+        }
         alignas(64) float lanes[16];
         _mm512_store_ps(lanes, mx);
-        for (int l = 0; l < 16; ++l)
-            f[l & (ng - 1)] = f[l & (ng - 1)] > lanes[l] ? f[l & (ng - 1)] : lanes[l];
-        return bad == 0;
+        for (int gi = 0; gi < ng; ++gi)
+            f[gi] = lanes[gi];
     }
 
     // The value digits of NR <= 4 rows over nt tiles of one block (stageCoefs and the digits in one pass, no fp32

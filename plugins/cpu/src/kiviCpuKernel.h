@@ -343,10 +343,12 @@ struct Attn
     {
         const int ng = D / c.Gv;
         float f[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        typename X::F mx = X::zero(); // one vector over the runs, reduced once
         if (!allValueScaleRuns(c, sp, g, qa, qend, [&](int64_t idx, int n) {
-                return X::maxNonNegative(c.vScale, idx, n, c.scaleDtype, ng, f);
+                return X::maxNonNegative(c.vScale, idx, n, c.scaleDtype, mx);
             }))
             return false;
+        X::groupMax(mx, ng, f);
         for (int gi = 0; gi < ng; ++gi)
         {
             if (f[gi] != 0.0f && f[gi] < 1e-30f)
