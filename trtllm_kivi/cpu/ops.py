@@ -31,21 +31,25 @@ def _ptr(t: torch.Tensor) -> int | None:
     return t.data_ptr() if t.numel() > 0 else None
 
 
-def _check_common(named: dict[str, torch.Tensor]) -> None:
-    for name, t in named.items():
-        if t.device.type != "cpu":
+def _check_common(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> None:
+    # is_cpu / is_contiguous only: this runs once per layer per step (t.device builds an object per call)
+    for name, t in zip(names, tensors, strict=True):
+        if not t.is_cpu:
             raise ValueError(f"{name} is on {t.device}; the native CPU kernels need CPU tensors")
         if not t.is_contiguous():
             raise ValueError(f"{name} with shape {tuple(t.shape)} and strides {t.stride()} must be contiguous")
 
 
+_STEP_NAMES = ("q", "k", "v") + _INT_NAMES + KiviBuffers._fields
+
+
 def _check_step(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers: KiviBuffers, cfg: KiviConfig) -> None:
-    named = {"q": q, "k": k, "v": v, "slot_ids": slot_ids, "past_len": past_len, "chunk_len": chunk_len,
-             "block_table": block_table, **dict(zip(buffers._fields, buffers, strict=True))}
-    _check_common(named)
-    for name in _INT_NAMES + ("k_codes", "v_codes"):
-        if named[name].dtype != torch.int32:
-            raise ValueError(f"{name} has dtype {named[name].dtype}; expected torch.int32")
+    tensors = (q, k, v, slot_ids, past_len, chunk_len, block_table, *buffers)
+    _check_common(_STEP_NAMES, tensors)
+    for name, t in zip(_INT_NAMES + ("k_codes", "v_codes"),
+                       (slot_ids, past_len, chunk_len, block_table, buffers.k_codes, buffers.v_codes), strict=True):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} has dtype {t.dtype}; expected torch.int32")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q/k/v must be [tokens, heads, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
@@ -59,12 +63,13 @@ def _check_step(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers: Ki
         raise ValueError(f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype} must equal the window dtype "
                          f"{buffers.k_window.dtype}")
     sdt = _SCALE_DTYPES[cfg.scale_dtype]
-    for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
-        if named[name].dtype != sdt:
-            raise ValueError(f"{name} has dtype {named[name].dtype}; cfg.scale_dtype is {cfg.scale_dtype}")
+    for name, t in zip(("k_scale", "k_zero", "v_scale", "v_zero"),
+                       (buffers.k_scale, buffers.k_zero, buffers.v_scale, buffers.v_zero), strict=True):
+        if t.dtype != sdt:
+            raise ValueError(f"{name} has dtype {t.dtype}; cfg.scale_dtype is {cfg.scale_dtype}")
     expected = _buffer_shapes(cfg, hkv, d, num_blocks, buffers.k_window.shape[0])
     for name, t in zip(buffers._fields, buffers, strict=True):
-        if tuple(t.shape) != expected[name]:
+        if t.shape != expected[name]:  # torch.Size is a tuple
             raise ValueError(f"buffer {name} has shape {tuple(t.shape)}, expected {expected[name]}")
     b = slot_ids.shape[0] if slot_ids.dim() == 1 else -1
     if (slot_ids.dim() != 1 or past_len.shape != (b,) or chunk_len.shape != (b,) or block_table.dim() != 2
@@ -86,21 +91,14 @@ def make_params(q, k, v, out, slot_ids, past_len, chunk_len, block_table, buffer
     num_blocks, hkv = buffers.k_codes.shape[:2]
     if isa not in _abi.ISA_CODES:
         raise ValueError(f"isa={isa!r} is not a path; allowed: {', '.join(_abi.ISA_CODES)}")
-    p = KiviCpuParams()
-    p.numHeads, p.numKvHeads, p.headDim = h, hkv, d
-    p.kBits, p.vBits, p.groupSize = cfg.k_bits, cfg.v_bits, cfg.group_size
-    p.residualLength, p.blockSize = cfg.residual_length, cfg.block_size
-    p.scaleDtype = _abi.DTYPE_CODES[cfg.scale_dtype]
-    p.keyGrouping = SUPPORTED_KEY_GROUPINGS.index(cfg.key_grouping)
-    p.sinkTokens = cfg.sink_tokens
-    p.actDtype = _DTYPE_CODES[q.dtype]
-    p.batch, p.numTokens = slot_ids.shape[0], tokens
-    p.numBlocks, p.numSlots, p.maxBlocksPerSeq = num_blocks, buffers.k_window.shape[0], block_table.shape[1]
-    p.numThreads, p.isa, p.phase = threads, _abi.ISA_CODES[isa], phase
-    p.q, p.k, p.v, p.out = _ptr(q), _ptr(k), _ptr(v), None if out is None else _ptr(out)
-    p.slotIds, p.pastLen, p.chunkLen, p.blockTable = (_ptr(t) for t in (slot_ids, past_len, chunk_len, block_table))
-    (p.kCodes, p.kScale, p.kZero, p.vCodes, p.vScale, p.vZero, p.kWindow, p.vWindow) = (_ptr(t) for t in buffers)
-    return p
+    # one constructor call with every field in order (KiviCpuParams._fields_): 36 attribute stores took ~7 us, once
+    # per layer per step
+    return KiviCpuParams(h, hkv, d, cfg.k_bits, cfg.v_bits, cfg.group_size, cfg.residual_length, cfg.block_size,
+                         _abi.DTYPE_CODES[cfg.scale_dtype], SUPPORTED_KEY_GROUPINGS.index(cfg.key_grouping),
+                         cfg.sink_tokens, _DTYPE_CODES[q.dtype], slot_ids.shape[0], tokens, num_blocks,
+                         buffers.k_window.shape[0], block_table.shape[1], threads, _abi.ISA_CODES[isa], phase,
+                         _ptr(q), _ptr(k), _ptr(v), None if out is None else _ptr(out), _ptr(slot_ids),
+                         _ptr(past_len), _ptr(chunk_len), _ptr(block_table), *(_ptr(t) for t in buffers))
 
 
 def _threads(threads: int | None) -> int:
@@ -156,6 +154,9 @@ def kivi_attention_cpu_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_
     return out
 
 
+_DENSE_NAMES = ("q", "k", "v", "slot_ids", "past_len", "chunk_len", "k_cache", "v_cache")
+
+
 def full_attention_cpu_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tensor,
                         past_len: torch.Tensor, chunk_len: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, *, isa: str = "auto", threads: int | None = None,
@@ -163,12 +164,10 @@ def full_attention_cpu_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_
     """Unquantized cache step: k/v [tokens, Hkv, D] written into k_cache/v_cache [slots, Hkv, max_seq_len, D] at
     [past, past + chunk) of each slot, then causal GQA attention over [0, past + chunk) -> out [tokens, H, D]."""
     lib = lib or _abi.load_library()
-    named = {"q": q, "k": k, "v": v, "slot_ids": slot_ids, "past_len": past_len, "chunk_len": chunk_len,
-             "k_cache": k_cache, "v_cache": v_cache}
-    _check_common(named)
-    for name in ("slot_ids", "past_len", "chunk_len"):
-        if named[name].dtype != torch.int32:
-            raise ValueError(f"{name} has dtype {named[name].dtype}; expected torch.int32")
+    _check_common(_DENSE_NAMES, (q, k, v, slot_ids, past_len, chunk_len, k_cache, v_cache))
+    for name, t in zip(_INT_NAMES[:3], (slot_ids, past_len, chunk_len), strict=True):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} has dtype {t.dtype}; expected torch.int32")
     if q.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(f"q must be [tokens, H, D] and the caches [slots, Hkv, max_seq_len, D]; got "
                          f"{tuple(q.shape)}, {tuple(k_cache.shape)}")
