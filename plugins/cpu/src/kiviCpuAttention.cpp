@@ -578,8 +578,9 @@ int32_t runAttention(Ctx& ctx, const IsaKernels& k, int threads, int32_t batch, 
         }
         seqs.push_back(sp);
     }
-    // per-calling-thread buffers, grown and kept (no allocation, zeroing or page faults per call). New floats are NaN:
-    // the kernels write every scratch and partial float before reading it, and a stray read would show in the tests.
+    // per-calling-thread buffers, grown and kept until the thread exits (a workspace the size of its largest call; no
+    // allocation, zeroing or page faults per call). New floats are NaN: the kernels write every scratch and partial
+    // float before reading it, and a stray read would show in the tests.
     thread_local std::vector<float> partials, scratch;
     if (partials.size() < size_t(partialFloats > 0 ? partialFloats : 1))
         partials.resize(size_t(partialFloats > 0 ? partialFloats : 1), std::nanf(""));
