@@ -595,23 +595,23 @@ int32_t runAttention(Ctx& ctx, const IsaKernels& k, int threads, int32_t batch, 
     for (const SeqPlan& sp : seqs)
         decodeSplits += sp.parallel ? sp.numSplits : 0;
     const int32_t headsPerItem = decodeSplits >= 4 * int64_t(nThreads) ? ctx.Hkv : 1;
-    std::vector<WorkItem> items, merges;
+    std::vector<WorkItem> items;
+    // per sequence split over items: how many of its items are left; the thread that finishes the last one merges the
+    // sequence's partials at once (a second pool run for the merges cost a barrier per call)
+    std::vector<std::atomic<int32_t>> left(seqs.size());
     if (attend)
         for (int32_t i = 0; i < int32_t(seqs.size()); ++i)
         {
             const SeqPlan& sp = seqs[i];
+            left[size_t(i)].store(sp.parallel ? sp.numSplits * (ctx.Hkv / headsPerItem) : 0);
             if (sp.parallel)
                 for (int32_t j = 0; j < sp.numSplits; ++j)
                     for (int32_t g = 0; g < ctx.Hkv; g += headsPerItem)
                         items.push_back({i, g, 0, j, headsPerItem});
-            for (int32_t g = 0; g < ctx.Hkv; ++g)
-            {
-                if (sp.parallel)
-                    merges.push_back({i, g, 0, -1, 1});
-                else
+            else
+                for (int32_t g = 0; g < ctx.Hkv; ++g)
                     for (int32_t t = 0; t < sp.numQTiles; ++t)
                         items.push_back({i, g, t, -1, 1});
-            }
         }
     // Items are taken from one counter in list order; listed as is, the threads would alternate over one sequence's
     // consecutive splits, and the prefetch of the next split's first block (kernel::Attn::scoresPerChannel) would land
@@ -633,20 +633,19 @@ int32_t runAttention(Ctx& ctx, const IsaKernels& k, int threads, int32_t batch, 
         scratch.resize(size_t(perThread) * nThreads, std::nanf(""));
     // the calling thread's buffer (a thread_local named inside the lambdas would be each worker's own)
     float* const scratchBase = scratch.data();
-    pool().run(nThreads, int64_t(items.size()),
-        [&](int64_t i, int tid) { k.attendItem(ctx, items[size_t(i)], scratchBase + perThread * tid); });
-    // phase 2: merges (read partials, write out) and appends (write the cache) touch disjoint memory
-    const int64_t nAfter = after ? int64_t(batch) * ctx.Hkv : 0;
-    pool().run(nThreads, int64_t(merges.size()) + nAfter,
-        [&](int64_t i, int tid) {
-            if (i < int64_t(merges.size()))
-                k.mergeItem(ctx, merges[size_t(i)], scratchBase + perThread * tid);
-            else
-            {
-                const int64_t j = i - int64_t(merges.size());
-                const int32_t b = int32_t(j / ctx.Hkv), g = int32_t(j % ctx.Hkv);
-                after(b, g, offsets[b]);
-            }
+    pool().run(nThreads, int64_t(items.size()), [&](int64_t i, int tid) {
+        const WorkItem& it = items[size_t(i)];
+        float* const buf = scratchBase + perThread * tid;
+        k.attendItem(ctx, it, buf);
+        if (it.split >= 0 && left[size_t(it.seqIdx)].fetch_sub(1) == 1) // the sequence's last split item
+            for (int32_t g = 0; g < ctx.Hkv; ++g)
+                k.mergeItem(ctx, WorkItem{it.seqIdx, g, 0, -1, 1}, buf);
+    });
+    // phase 2, after every read of the cache: the appends (write the cache)
+    if (after)
+        pool().run(nThreads, int64_t(batch) * ctx.Hkv, [&](int64_t j, int) {
+            const int32_t b = int32_t(j / ctx.Hkv), g = int32_t(j % ctx.Hkv);
+            after(b, g, offsets[b]);
         });
     return 0;
 }
