@@ -444,19 +444,13 @@ struct S
     // f[gi] = the largest lane of group gi (lanes l with l % ng == gi) of maxNonNegative's mx.
     static void groupMax(F mx, int ng, float* f)
     {
-        if (ng <= 2) // fold the lanes 8 apart, then 4, then (ng 1) 2 and 1: lanes 0 .. ng - 1 hold the maxima
-            mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, 0x4E));
-        if (ng <= 2)
-            mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, 0xB1));
+        // fold lanes 8 apart, then 4 (ng 4 is done), then 2 (ng 2) and 1 (ng 1): lanes 0 .. ng - 1 hold the maxima
+        mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, 0x4E));
+        mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, 0xB1));
         if (ng <= 2)
             mx = _mm512_max_ps(mx, _mm512_permute_ps(mx, 0x4E));
         if (ng == 1)
             mx = _mm512_max_ps(mx, _mm512_permute_ps(mx, 0xB1));
-        if (ng == 4)
-        {
-            mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, 0x4E));
-            mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, 0xB1));
-        }
         alignas(64) float lanes[16];
         _mm512_store_ps(lanes, mx);
         for (int gi = 0; gi < ng; ++gi)
