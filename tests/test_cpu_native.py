@@ -221,6 +221,25 @@ def test_key_outlier_groups(mult, isa) -> None:
 
 
 @needs_layout
+@pytest.mark.parametrize("group_size,d", [(64, 64), (32, 64), (32, 128)], ids=["ng1", "ng2", "ng4"])
+def test_value_outlier_tokens(group_size, d, isa) -> None:
+    """A few tokens with values x1000 at odd positions, with 1, 2 or 4 value groups per token: avx512vnni's value
+    digits share one fixed-point scale per split and group (the largest value scale: S::maxNonNegative over the
+    token-major entries, then S::groupMax per group), which must take every lane of its group into account; with an
+    outlier missed its digits overflow."""
+    run = Run(KiviConfig(group_size=group_size, residual_length=32), 6, 2, d, torch.float32, slots=1, seed=7)
+    q, k, v = run.inputs([700])
+    v[[41, 43, 301]] *= 1000.0
+    run.step([0], [700], isa=isa, qkv=(q, k, v))
+    vmax = float(v.abs().max())
+    for _ in range(2):
+        out_ref, out_nat, _ = run.step([0], [1], isa=isa)
+        run.assert_stores_equal()
+        err = float((out_ref - out_nat).abs().max())
+        assert err <= (4 * 2 ** -23 + 1e-5) * vmax, f"max |native - reference| = {err} (max |v| {vmax})"
+
+
+@needs_layout
 def test_flush_denormal_mode_changes_nothing(isa) -> None:
     """torch.set_flush_denormal(True) sets DAZ/FTZ on the calling thread; avx2denormal's codes are subnormal floats,
     so the kernel clears DAZ for its work and restores MXCSR: the same bits with and without, on the caller (1 thread)
