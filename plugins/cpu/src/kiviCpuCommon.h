@@ -16,8 +16,9 @@ constexpr int32_t kMAX_SINKS = 128; // format.MAX_SINK_TOKENS: split 0 is [0, S 
 constexpr int32_t kSCORE_STRIDE = kSPLIT_LEN + kMAX_SINKS + 16; // floats per scratch row of one split's keys
 constexpr int32_t kQ_TILE = 8;      // query positions per work item in chunked prefill
 constexpr int32_t kK_TILE = 16;     // quantized keys decoded per step: one 16-token fragment tile (format.py)
-// softmax exp (kernel::expScalar, S::exp): arguments clamped to [kEXP_LO, kEXP_HI] (below kEXP_LO the result is 0);
-// adding kEXP_SHIFTER = 1.5 * 2^23 rounds x log2 e to an integer held in the low mantissa bits
+// softmax exp (kernel::expScalar, S::exp): below kEXP_LO the result is 0; expScalar and the portable / AVX2 S::exp
+// clamp to [kEXP_LO, kEXP_HI] and round x log2 e by adding kEXP_SHIFTER = 1.5 * 2^23 (the integer lands in the low
+// mantissa bits)
 constexpr float kEXP_LO = -87.33654f, kEXP_HI = 80.0f, kEXP_SHIFTER = 12582912.0f;
 
 // Key splits (fixed, so results do not depend on threads or batch): split 0 = [0, S + kSPLIT_LEN), split j >= 1 =

@@ -529,7 +529,7 @@ struct S
 
     // acc[i][32 j + c] += rec sum_t coef_it code_tc over nt transposed 2-bit value tiles (consecutive, D words
     // each) for channels [32 j, 32 j + 32): lanes = 16 channels, a lane's 4 bytes = tokens (2 tq, + 1, + 8, + 9)
-    // against their digits. dig[i]: row i's valueDigits of this channel group. One pass per 16-channel half q2:
+    // against their digits. dig[i]: row i's valueCoefDigits of this channel group. One pass per 16-channel half q2:
     // NR 3 kDOT8_DIGITS accumulators (NR <= 4) stay in registers. Not inlined: inlined into splitPartial, g++ 12
     // kept the accumulator array in memory (stop 33: a store after every vpdpbusd, 1.2x the op's time).
     // test_dot_product_accumulators_stay_in_registers checks the build.

@@ -29,8 +29,9 @@ namespace kernel
 
 // exp for softmax arguments (x <= 0 in practice): n = round(x log2 e) by adding 1.5 * 2^23 (whose low bits then hold
 // n: no floor / convert), r = x - n ln 2 in two parts, Cephes' polynomial, times 2^n; exact 0 below -87.3 (so masked
-// -inf gives 0), NaN propagates. One scalar copy (for merges) and S::exp (vector) implement the same formula (the AVX2
-// S::exp: the same n, 2^(x log2 e - n) in Estrin's scheme, for a shorter dependency chain).
+// -inf gives 0), NaN propagates. The portable S::exp is this formula lane-wise; the AVX2 one the same n with
+// 2^(x log2 e - n) in Estrin's scheme (a shorter dependency chain); the AVX-512 one 2^t by vrndscaleps / vscalefps
+// (fewer operations). All agree to a few 1e-7 relative.
 static inline float expScalar(float x)
 {
     if (x != x)
@@ -99,7 +100,7 @@ struct Attn
         float* kzr;    // [D]
         int32_t* tw;   // [kSPLIT_LEN / 16 tiles][4 D] transposed fragment tiles (transposeTile)
         int32_t* kdig; // [rows, kDOT8_DIGITS D / 4] key digits of the current group (S::keyPrep; kDOT8 only)
-        int32_t* vdig; // [rows, kDOT8_VALUE_DWORDS] value digits of the split (S::valueDigits)
+        int32_t* vdig; // [rows, kDOT8_VALUE_DWORDS] value digits of the split (S::valueCoefDigits)
         float* krec;   // [rows] key digits' scales (the current block's)
         float* vfix;   // [8] value digits' scales (4 groups), then their inverses: shared by the rows
         float* kqi;    // [rows, D] qf * 2^22 / F for the current block's key digits (S::keyBlockScale; kDOT8 only)
@@ -388,8 +389,8 @@ struct Attn
         }
     }
 
-    // The value digits (and zacc) of rows r0 .. r0 + nr of tiles [t0, t1) (one block from store entry idx; valuesStage):
-    // S::valueCoefDigits; false if a coefficient is NaN.
+    // The value digits (and zacc) of rows r0 .. r0 + nr of tiles [t0, t1) (one block from store entry idx;
+    // valuesStage): S::valueCoefDigits; false if a coefficient is NaN.
     template <class X = S>
     static bool valueCoefDigitRows(const Ctx& c, int64_t idx, int nr, int ng, int qa, int t0, int t1, const float* p,
         int r0, Scratch& s)
@@ -902,8 +903,8 @@ struct Attn
             }
     }
 
-    // acc (+ zacc) of head g's rows over the quantized span [qa, qend) of a split (block by block; s: the head's scratch,
-    // its transposed tiles, coefficients and value digits in buf's).
+    // acc (+ zacc) of head g's rows over the quantized span [qa, qend) of a split (block by block; s: the head's
+    // scratch, its transposed tiles, coefficients and value digits in buf's).
     static void valuesOfHead(const Ctx& c, const SeqPlan& sp, int g, int rows, int qa, int qend, int a, Scratch& s,
         const Scratch& buf)
     {
@@ -1084,7 +1085,7 @@ struct Attn
             fn(win, c.cacheDtype, [&](int t) { return (headRow * c.maxSeqLen + t) * D; }, a, b);
             return;
         }
-        auto winOff = [&](int t) { return (headRow * c.winRows + windowRowOf(t, c.sinks, c.W)) * D; };
+        auto winOff = [&](int t) { return windowOffset(c, sp, g, t); };
         const int sinkEnd = imin(b, sp.sink);
         const int winStart = imax(a, sp.sink + sp.nq), winEnd = imin(b, sp.past);
         const int chStart = imax(a, sp.past);
@@ -1097,19 +1098,24 @@ struct Attn
                 [&](int t) { return (int64_t(sp.tokOffset + t - sp.past) * c.Hkv + g) * D; }, chStart, b);
     }
 
+    // Element offset of position t's row of head g in the window buffers (sinks, then the ring).
+    static int64_t windowOffset(const Ctx& c, const SeqPlan& sp, int g, int t)
+    {
+        return ((int64_t(sp.slot) * c.Hkv + g) * c.winRows + windowRowOf(t, c.sinks, c.W)) * D;
+    }
+
     // Software prefetch (into L2) of share `part` of `parts` of the window's key and value rows of positions [a, b)
     // (ring rows) of heads [g0, g1).
-    __attribute__((always_inline)) static inline void prefetchWindowShare(const Ctx& c, const SeqPlan& sp, int g0, int g1, int a, int b, int part, int parts)
+    __attribute__((always_inline)) static inline void prefetchWindowShare(const Ctx& c, const SeqPlan& sp, int g0,
+        int g1, int a, int b, int part, int parts)
     {
-        const int n = (g1 - g0) * (b - a), i0 = int(int64_t(n) * part / parts), i1 = int(int64_t(n) * (part + 1) / parts);
-        const int eb = dtypeBytes(c.actDtype);
-        for (int i = i0; i < i1; ++i)
+        const int n = (g1 - g0) * (b - a), eb = dtypeBytes(c.actDtype), i1 = int(int64_t(n) * (part + 1) / parts);
+        for (int i = int(int64_t(n) * part / parts); i < i1; ++i)
         {
-            const int64_t row = (int64_t(sp.slot) * c.Hkv + g0 + i / (b - a)) * c.winRows
-                + windowRowOf(a + i % (b - a), c.sinks, c.W);
+            const int64_t off = windowOffset(c, sp, g0 + i / (b - a), a + i % (b - a));
             for (int kv = 0; kv < 2; ++kv)
             {
-                const char* p = static_cast<const char*>(kv == 0 ? c.kWin : c.vWin) + row * D * eb;
+                const char* p = static_cast<const char*>(kv == 0 ? c.kWin : c.vWin) + off * eb;
                 for (int j = 0; j < D * eb; j += 64)
                     __builtin_prefetch(p + j, 0, 2);
             }
