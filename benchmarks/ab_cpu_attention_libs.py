@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_cpu_attention as B  # noqa: E402
 
 from trtllm_kivi.cpu import _abi  # noqa: E402
-from trtllm_kivi.cpu.ops import kivi_attention_cpu_  # noqa: E402
+from trtllm_kivi.cpu.ops import KiviCpuAttention  # noqa: E402
 from trtllm_kivi.format import KiviConfig  # noqa: E402
 
 
@@ -60,13 +60,14 @@ def main() -> int:
     i32 = dict(dtype=torch.int32)
     slots, past, chunk = torch.arange(b, **i32), torch.full((b,), ctx, **i32), torch.ones(b, **i32)
     times: dict[str, list[float]] = {name: [] for name, _ in builds}
+    ops = {name: KiviCpuAttention(kivi, cfg, h, isa=args.isa, lib=lib) for name, lib in builds}
     for r in range(args.rounds + 1):  # round 0 warms up
-        for name, lib in builds:
+        for name, _ in builds:
+            op = ops[name]
             t0 = time.perf_counter()
             for _ in range(args.calls):
-                for layer in kivi:
-                    kivi_attention_cpu_(q, k, v, slots, past, chunk, table, layer, cfg, isa=args.isa,
-                                        threads=args.threads, phase=_abi.PHASE_ATTENTION, lib=lib)
+                for i in range(len(kivi)):
+                    op(i, q, k, v, slots, past, chunk, table, threads=args.threads, phase=_abi.PHASE_ATTENTION)
             if r:
                 times[name].append((time.perf_counter() - t0) / args.calls)
     tiles = args.layers * b * hkv * ctx / 16

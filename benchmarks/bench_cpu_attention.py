@@ -1,6 +1,8 @@
-"""The attention op alone on the CPU: native KIVI (trtllm_kivi.cpu, kivi_attention_cpu_) vs native attention over an
-unquantized FP16 cache (full_attention_cpu_), decode (one token per sequence), batch 8, 8K context, over every layer
-of a model's geometry (distinct buffers per layer, so the working set is far above the L3), same run, same threads.
+"""The attention op alone on the CPU: native KIVI (trtllm_kivi.cpu's KiviCpuAttention, the KiviCache cpu backend's
+op) vs native attention over an unquantized FP16 cache (FullCpuAttention, FullCache's), decode (one token per
+sequence), batch 8, 8K context, over every layer of a model's geometry (distinct buffers per layer, so the working set
+is far above the L3), same run, same threads. Both ops are called as the caches call them: bound to the layers (buffers
+checked once; per call only q/k/v and the step tensors).
 
     PYTHONPATH=. python benchmarks/bench_cpu_attention.py [--geometry smollm2-135m llama3-8b] [--context 8192]
                                                           [--batch 8] [--threads 1 2] [--rounds 5] [--out FILE]
@@ -32,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from trtllm_kivi import cpu as native  # noqa: E402
 from trtllm_kivi.bench import cpu_model  # noqa: E402
 from trtllm_kivi.cpu import _abi  # noqa: E402
-from trtllm_kivi.cpu.ops import full_attention_cpu_, kivi_attention_cpu_  # noqa: E402
+from trtllm_kivi.cpu.ops import FullCpuAttention, KiviCpuAttention  # noqa: E402
 from trtllm_kivi.format import KiviConfig  # noqa: E402
 from trtllm_kivi.reference.attention import KiviBuffers  # noqa: E402
 
@@ -91,6 +93,7 @@ def resident_per_token(cfg: KiviConfig, h: int, hkv: int, d: int, tokens: int, g
             if store <= 448 * 1024 or ctx <= 512:
                 break
             ctx -= 512
+        kop, fop = KiviCpuAttention(kivi, cfg, h), FullCpuAttention([dense[0][0]], [dense[0][1]], h)
         calls = max(1, tokens // ctx)
         times: dict[int, list[float]] = {ctx: [], 1: []}
         for r in range(rounds + 1):  # round 0 warms up
@@ -99,10 +102,9 @@ def resident_per_token(cfg: KiviConfig, h: int, hkv: int, d: int, tokens: int, g
                 t0 = time.perf_counter()
                 for _ in range(calls):
                     if key == "kivi2":
-                        kivi_attention_cpu_(q, k, v, slots, past, chunk, table, kivi[0], cfg, threads=1,
-                                            phase=_abi.PHASE_ATTENTION)
+                        kop(0, q, k, v, slots, past, chunk, table, threads=1, phase=_abi.PHASE_ATTENTION)
                     else:
-                        full_attention_cpu_(q, k, v, slots, past, chunk, dense[0][0], dense[0][1], threads=1)
+                        fop(0, q, k, v, slots, past, chunk, threads=1)
                 if r:
                     times[past_len].append(time.perf_counter() - t0)
         ovh = statistics.median(times[1]) / calls
@@ -134,14 +136,17 @@ def bench_geometry(name: str, args, gen: torch.Generator) -> dict:
                                      "fp16": round(sum(t.numel() * 2 for L in dense for t in L) / 2 ** 20, 1)},
                  "threads": {}}
 
+    # both ops as the caches call them (KiviCache / FullCache's cpu backends): bound to the layers, checked once
+    kop = KiviCpuAttention(kivi, cfg, h)
+    fop = FullCpuAttention([kc for kc, _ in dense], [vc for _, vc in dense], h)
+
     def kivi_step(threads: int) -> None:
-        for layer in kivi:
-            kivi_attention_cpu_(q, k, v, slots, past, chunk, table, layer, cfg, threads=threads,
-                                phase=_abi.PHASE_ATTENTION)
+        for i in range(n_layers):
+            kop(i, q, k, v, slots, past, chunk, table, threads=threads, phase=_abi.PHASE_ATTENTION)
 
     def fp16_step(threads: int) -> None:
-        for kc, vc in dense:  # writes the token at row ctx (the same row each round), then attends over ctx + 1
-            full_attention_cpu_(q, k, v, slots, past, chunk, kc, vc, threads=threads)
+        for i in range(n_layers):  # writes the token at row ctx (the same row each round), then attends over ctx + 1
+            fop(i, q, k, v, slots, past, chunk, threads=threads)
 
     resident = resident_per_token(cfg, h, hkv, d, n_layers * b * ctx, gen, args.rounds)
     out["cache_resident_1_thread"] = resident

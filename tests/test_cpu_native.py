@@ -25,7 +25,8 @@ if native.unavailable_reason(quantized=False) is not None:  # the dense kernel n
     pytest.skip(f"{native.unavailable_reason(quantized=False)} (build: build_scripts/build_cpu_kernels.sh, or set "
                 f"TRTLLM_KIVI_CPU_LIB)", allow_module_level=True)
 
-from trtllm_kivi.cpu.ops import full_attention_cpu_, kivi_attention_cpu_, kivi_layout_mismatch  # noqa: E402
+from trtllm_kivi.cpu.ops import (FullCpuAttention, KiviCpuAttention, full_attention_cpu_,  # noqa: E402
+                                 kivi_attention_cpu_, kivi_layout_mismatch)
 
 # The KIVI op of plugins/cpu implements the code layout of CODE_LAYOUT_VERSION (FORMAT_VERSION 3: FRAGMENT order, sinks);
 # should format.py's FORMAT_VERSION move on without a port, the op refuses to run and its tests skip with that reason.
@@ -310,6 +311,8 @@ def test_dense_matches_full_cache(cache_dtype, isa) -> None:
     geom = Geometry(1, 8, 2, 64)
     ref = FullCache(geom, 3, 1200, cache_dtype, backend="torch")  # the torch path is the reference
     k_cache, v_cache = ref.k[0].clone(), ref.v[0].clone()
+    bound_k, bound_v = ref.k[0].clone(), ref.v[0].clone()
+    bound = FullCpuAttention([bound_k], [bound_v], 8, isa=isa)  # the cpu FullCache's path: same bits
     for _ in range(3):
         ref.add_sequence()
     gen = torch.Generator().manual_seed(2)
@@ -320,10 +323,16 @@ def test_dense_matches_full_cache(cache_dtype, isa) -> None:
         out_ref = ref.attention(0, q, k, v, step)
         out_nat = full_attention_cpu_(q, k, v, step.slot_ids, step.past_len, step.chunk_len, k_cache, v_cache,
                                       isa=isa)
+        out_bound = bound(0, q, k, v, step.slot_ids, step.past_len, step.chunk_len)
         ref.end_step(step)
         assert torch.equal(ref.k[0], k_cache) and torch.equal(ref.v[0], v_cache)
+        assert torch.equal(ref.k[0], bound_k) and torch.equal(ref.v[0], bound_v) and torch.equal(out_nat, out_bound)
         err = float((out_ref - out_nat).abs().max())
         assert err <= 2e-5 * max(1.0, float(v.abs().max())), err
+    with pytest.raises(ValueError, match="chunk_len has dtype torch.int64"):
+        bound(0, q, k, v, step.slot_ids, step.past_len, step.chunk_len.long())
+    with pytest.raises(ValueError, match="must be \\[tokens, 8, 64\\]"):
+        bound(0, q[:, :4].contiguous(), k, v, step.slot_ids, step.past_len, step.chunk_len)
 
 
 def _one_step_args(run: Run, slots, chunks):
@@ -344,16 +353,73 @@ def _one_step_args(run: Run, slots, chunks):
     (lambda a: a.__setitem__(0, a[0].double()), "activation dtype"),
     (lambda a: a.__setitem__(0, a[0].transpose(0, 1).contiguous().transpose(0, 1)), "must be contiguous"),
 ])
-def test_bad_inputs_raise_and_corrupt_nothing(mutate, match) -> None:
+@pytest.mark.parametrize("api", ["function", "bound"])
+def test_bad_inputs_raise_and_corrupt_nothing(mutate, match, api) -> None:
+    """kivi_attention_cpu_ and KiviCpuAttention (after a good call, so its step memo holds other tensors) refuse the
+    bad value and write nothing."""
     run = Run(KiviConfig(), 4, 2, 64, torch.float32)
     run.step([0, 1], [300, 2])
     args = _one_step_args(run, [0, 1], [1, 2])
+    op = KiviCpuAttention([run.nat], run.cfg, run.h)
+    if api == "bound":
+        good = _one_step_args(run, [0, 1], [1, 2])
+        op(0, *good, phase=1)  # attention only: the cache is unchanged
     mutate(args)
     before = run.nat.clone()
     with pytest.raises(ValueError, match=match):
-        kivi_attention_cpu_(*args, run.nat, run.cfg)
+        if api == "bound":
+            op(0, *args)
+        else:
+            kivi_attention_cpu_(*args, run.nat, run.cfg)
     for a, b in zip(before, run.nat, strict=True):
         assert torch.equal(a, b)
+
+
+@needs_layout
+def test_bound_op_matches_function() -> None:
+    """KiviCpuAttention (checks once, params built once, step tensors checked once per step) gives the bits of
+    kivi_attention_cpu_ (the reference for it here), outputs and stores, over two layers and ragged steps; it refuses
+    int tensors of another dtype or shape when they replace checked ones, and q/k/v/out that do not fit."""
+    cfg, h, hkv, d = KiviConfig(), 6, 2, 64
+    gen = torch.Generator().manual_seed(5)
+    base = [_sentinel(KiviBuffers.allocate(cfg, hkv, d, 32, 4, torch.float32), gen) for _ in range(2)]
+    fn_layers, op_layers = [b.clone() for b in base], [b.clone() for b in base]
+    op = KiviCpuAttention(op_layers, cfg, h)
+    tables = torch.randperm(32, generator=gen).to(torch.int32).reshape(4, 8)
+    past = [0] * 4
+    i32 = dict(dtype=torch.int32)
+    for slots, chunks in ([0, 1, 2], [300, 45, 7]), ([0, 1, 2], [1, 1, 1]), ([3, 0], [200, 1]), ([2, 3], [1, 1]):
+        ints = (torch.tensor(slots, **i32), torch.tensor([past[s] for s in slots], **i32), torch.tensor(chunks, **i32),
+                tables[slots].contiguous())
+        for layer in range(2):
+            q, k, v = (torch.randn(sum(chunks), n, d, generator=gen) for n in (h, hkv, hkv))
+            out = torch.full_like(q, float("nan"))  # sentinel: every element must be written
+            a = kivi_attention_cpu_(q, k, v, *ints, fn_layers[layer], cfg, threads=2)
+            b = op(layer, q, k, v, *ints, threads=2, out=out)
+            assert b is out and torch.equal(a, b)
+        for s, c in zip(slots, chunks, strict=True):
+            past[s] += c
+    for x, y in zip(fn_layers, op_layers, strict=True):
+        assert all(torch.equal(s, t) for s, t in zip(x, y, strict=True))
+    q, k, v = (torch.randn(1, n, d, generator=gen) for n in (h, hkv, hkv))
+    ints = [torch.tensor([1], **i32), torch.tensor([past[1]], **i32), torch.tensor([1], **i32),
+            tables[[1]].contiguous()]
+    with pytest.raises(ValueError, match="past_len has dtype torch.int64"):
+        op(0, q, k, v, ints[0], ints[1].long(), *ints[2:], phase=1)
+    with pytest.raises(ValueError, match=r"must be \[B\]"):
+        op(0, q, k, v, ints[0], torch.tensor([0, 0], **i32), *ints[2:], phase=1)
+    with pytest.raises(ValueError, match="must equal the window dtype"):
+        op(0, q.half(), k.half(), v.half(), *ints, phase=1)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        op(0, q, k.expand(1, hkv, d).transpose(1, 2).contiguous().transpose(1, 2), v, *ints, phase=1)
+    with pytest.raises(ValueError, match="do not match the bound cache"):
+        op(0, torch.randn(1, 4, d), k, v, *ints, phase=1)  # 4 heads, bound with 6
+    with pytest.raises(ValueError, match="must be a contiguous CPU tensor like q"):
+        op(0, q, k, v, *ints, phase=1, out=torch.empty(1, h, d, dtype=torch.float64))
+    with pytest.raises(ValueError, match="num_heads=5 must be a positive multiple"):
+        KiviCpuAttention(op_layers, cfg, 5)
+    with pytest.raises(ValueError, match="buffer k_scale has shape"):
+        KiviCpuAttention([op_layers[0]._replace(k_scale=op_layers[0].k_scale[:1])], cfg, h)
 
 
 @needs_layout

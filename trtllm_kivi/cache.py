@@ -24,6 +24,7 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from .format import Geometry, KiviConfig
 from .reference.attention import (KiviBuffers, _blocks_of, _rows, append, attend, check_step, full_precision_rows,
                                   history, kivi_attention_)
 from .reference.kv import dequantize_keys, dequantize_values
+
+if TYPE_CHECKING:
+    from .cpu.ops import FullCpuAttention, KiviCpuAttention
 
 
 class CacheCapacityError(ValueError):
@@ -302,13 +306,16 @@ class CpuBackend(AttentionBackend):
 
         return kivi_layout_mismatch() or _cpu_unavailable(device)
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
-        from .cpu.ops import kivi_attention_cpu_
+    _op: KiviCpuAttention | None = None  # over the cache's layers, bound at the first call (they exist by then)
 
-        c = self.cache
-        # the cache allocated its buffers (format.buffer_shapes): only q/k/v are checked per call
-        return kivi_attention_cpu_(q.contiguous(), k.contiguous(), v.contiguous(), step.slot_ids, step.past_len,
-                                   step.chunk_len, step.block_table, c.layers[layer], c.cfg, check=False)
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        if self._op is None:
+            from .cpu.ops import KiviCpuAttention
+
+            c = self.cache
+            self._op = KiviCpuAttention(c.layers, c.cfg, c.geom.num_heads)
+        return self._op(layer, q.contiguous(), k.contiguous(), v.contiguous(), step.slot_ids, step.past_len,
+                        step.chunk_len, step.block_table)
 
 
 def _cpu_unavailable(device: torch.device, head_dim: int | None = None, quantized: bool = True) -> str | None:
@@ -491,6 +498,7 @@ class FullCache(KVCache):
         if backend == "cpu" and why:
             raise ValueError(f"FullCache backend 'cpu' cannot serve this cache: {why}")
         self._backend = backend
+        self._op: FullCpuAttention | None = None  # over self.k / self.v, bound at the first cpu call
 
     @property
     def backend_name(self) -> str:
@@ -502,10 +510,12 @@ class FullCache(KVCache):
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         if self._backend == "cpu":
-            from .cpu.ops import full_attention_cpu_
+            if self._op is None:
+                from .cpu.ops import FullCpuAttention
 
-            return full_attention_cpu_(q.contiguous(), k.contiguous(), v.contiguous(), step.slot_ids, step.past_len,
-                                       step.chunk_len, self.k[layer], self.v[layer])
+                self._op = FullCpuAttention(self.k, self.v, self.geom.num_heads)
+            return self._op(layer, q.contiguous(), k.contiguous(), v.contiguous(), step.slot_ids, step.past_len,
+                            step.chunk_len)
         out = torch.empty_like(q)
         offset = 0
         for slot, s, c in zip(step.slots, step.past, step.chunk, strict=True):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -30,6 +31,9 @@ from ..format import BUFFER_NAMES
 from ..op import DOMAIN, FIELD_NAMES, OPSET, PLUGIN_NAME, cache_io_names, config_from_fields
 from ..reference.attention import KiviBuffers, kivi_attention_
 
+if TYPE_CHECKING:
+    from ..cpu.ops import KiviCpuAttention
+
 ORT_DOMAIN = "ai.onnx.contrib"
 _FLOAT16S = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 ORT_SCALE_DTYPES = ("float16", "float32")  # what numpy (hence a runner's feeds) can hold
@@ -38,6 +42,9 @@ _ONNX_SCALE_DTYPES = {"float16": TensorProto.FLOAT16, "float32": TensorProto.FLO
 INPLACE_OP = PLUGIN_NAME + "InPlace"
 _CACHES: dict[int, list[KiviBuffers]] = {}  # cache_id -> every layer's buffers (register_cache)
 _NEXT_ID = [1]
+# cache_id -> trtllm_kivi.cpu's KiviCpuAttention over its layers (bound at the first call: buffers and config checked
+# once, not per layer per step)
+_BOUND: dict[int, KiviCpuAttention] = {}
 
 
 def register_cache(layers: list[KiviBuffers]) -> int:
@@ -50,6 +57,7 @@ def register_cache(layers: list[KiviBuffers]) -> int:
 
 def unregister_cache(cache_id: int) -> None:
     _CACHES.pop(cache_id, None)
+    _BOUND.pop(cache_id, None)
 
 
 @functools.cache
@@ -84,13 +92,19 @@ def register_ops() -> None:
 
 def _kivi_inplace_op(q, k, v, slot_ids, past_len, chunk_len, block_table, **attrs):
     """The op on the registered cache's buffers of `layer`, in place; returns (out, status [1] int32 = 0)."""
-    cfg, *_ = config_from_fields({n: int(attrs[n]) for n in FIELD_NAMES})
-    bufs = _CACHES[int(attrs["cache_id"])][int(attrs["layer"])]
+    cache_id, layer = int(attrs["cache_id"]), int(attrs["layer"])
     t = [torch.from_numpy(np.asarray(a)) for a in (q, k, v, slot_ids, past_len, chunk_len, block_table)]
-    op = native_op(t[0].shape[-1])
     threads = torch.get_num_threads()
-    if op is not None:  # onnxruntime's own threads are idle while the Python op runs
-        return op(*t, bufs, cfg, threads=threads).numpy(), np.zeros(1, np.int32)
+    bound = _BOUND.get(cache_id)
+    if bound is None and native_op(t[0].shape[-1]) is not None:
+        from ..cpu.ops import KiviCpuAttention
+
+        cfg, *_ = config_from_fields({n: int(attrs[n]) for n in FIELD_NAMES})
+        bound = _BOUND[cache_id] = KiviCpuAttention(_CACHES[cache_id], cfg, t[0].shape[1])
+    if bound is not None:  # onnxruntime's own threads are idle while the Python op runs
+        return bound(layer, *t, threads=threads).numpy(), np.zeros(1, np.int32)
+    cfg, *_ = config_from_fields({n: int(attrs[n]) for n in FIELD_NAMES})
+    bufs = _CACHES[cache_id][layer]
     torch.set_num_threads(1)
     try:
         return kivi_attention_(*t, bufs, cfg).numpy(), np.zeros(1, np.int32)
