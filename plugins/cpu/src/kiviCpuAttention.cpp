@@ -6,7 +6,9 @@
 #include "kiviCpuIsa.h"
 #include "kiviFormat.h"
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
@@ -130,11 +132,32 @@ static inline void cpuRelax()
 #endif
 }
 
+// Spins until done() or `ns` nanoseconds have passed (the clock read once per 64 pauses); true if done.
+template <class Done>
+static bool spinFor(int64_t ns, Done done)
+{
+    const auto end = std::chrono::steady_clock::now() + std::chrono::nanoseconds(ns);
+    for (;;)
+    {
+        for (int i = 0; i < 64; ++i)
+        {
+            if (done())
+                return true;
+            cpuRelax();
+        }
+        if (std::chrono::steady_clock::now() >= end)
+            return done();
+    }
+}
+
 // A persistent pool: run(n, fn) calls fn(item, thread) for item in [0, n) on up to `threads` threads (the caller is
-// thread 0) and returns when all are done. Items are taken in order from an atomic counter. Waits spin for about
-// kSPIN_PAUSES pauses (~0.1 ms) before sleeping on a condition variable: a model step calls the op once per layer,
-// tens of microseconds apart, and a condition-variable wake-up per run cost ~3% of the 2-thread op (SmolLM2 decode,
-// 8K: ~1.2 ms per layer).
+// thread 0) and returns when all are done. Items are taken in order from an atomic counter. Idle workers spin before
+// sleeping on a condition variable (waking a sleeping worker took ~45 us here, and the notify ~20 us, against ~1.1 ms
+// of 2-thread work per SmolLM2 layer at 8K). How long they spin follows the gap between the last two runs: up to twice
+// that gap, in [kSPIN_MIN_NS, kSPIN_MAX_NS], when calls come back to back (the op called layer after layer with only
+// Python between, ~30 us), kSPIN_MIN_NS when they are far apart. In a model step torch's GEMMs run between the op's
+// calls on the same cores, and a worker spinning through them slowed SmolLM2 decode at 512 tokens 1.5x (a fixed
+// 200 us spin); with ~1 ms gaps the spin stays at kSPIN_MIN_NS there.
 class ThreadPool
 {
 public:
@@ -161,6 +184,7 @@ public:
             return;
         }
         std::lock_guard<std::mutex> runLock(mRunMutex); // one step at a time through the pool
+        const auto start = std::chrono::steady_clock::now();
         while (int(mWorkers.size()) < threads - 1)
         {
             const int id = int(mWorkers.size()) + 1;
@@ -177,18 +201,23 @@ public:
         }
         mCv.notify_all();
         drain(0);
-        for (int i = 0; i < kSPIN_PAUSES && mPending.load() != 0; ++i)
-            cpuRelax();
-        if (mPending.load() != 0)
+        if (!spinFor(kSPIN_MIN_NS, [this] { return mPending.load() == 0; }))
         {
             std::unique_lock<std::mutex> lock(mMutex);
             mDoneCv.wait(lock, [this] { return mPending.load() == 0; });
         }
         mFn = nullptr;
+        // the workers' next spin: from the gap between the previous run's end and this run's start
+        const auto end = std::chrono::steady_clock::now();
+        const int64_t gap = std::chrono::duration_cast<std::chrono::nanoseconds>(start - mLastEnd).count();
+        mSpinNs.store(gap >= 0 && gap < kSPIN_MAX_NS ? std::min(kSPIN_MAX_NS, std::max(kSPIN_MIN_NS, 2 * gap))
+                                                     : kSPIN_MIN_NS);
+        mLastEnd = end;
     }
 
 private:
-    static constexpr int kSPIN_PAUSES = 2000;
+    static constexpr int64_t kSPIN_MIN_NS = 25000;  // ~2000 pauses: the fixed spin until stop 37
+    static constexpr int64_t kSPIN_MAX_NS = 250000;
 
     void drain(int tid)
     {
@@ -201,8 +230,7 @@ private:
         uint64_t seen = 0;
         for (;;)
         {
-            for (int i = 0; i < kSPIN_PAUSES && mGeneration.load() == seen; ++i)
-                cpuRelax();
+            spinFor(mSpinNs.load(), [&] { return mGeneration.load() != seen; });
             std::unique_lock<std::mutex> lock(mMutex);
             mCv.wait(lock, [&] { return mGeneration.load() != seen; });
             seen = mGeneration.load();
@@ -227,6 +255,8 @@ private:
     int mWanted = 0;
     std::atomic<int> mPending{0};
     std::atomic<uint64_t> mGeneration{0};
+    std::atomic<int64_t> mSpinNs{kSPIN_MIN_NS};
+    std::chrono::steady_clock::time_point mLastEnd{};
     bool mStop = false;
 };
 
