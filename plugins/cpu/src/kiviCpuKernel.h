@@ -804,10 +804,8 @@ struct Attn
             + int64_t(jq % c.BS / 16) * TILE_WORDS;
         for (int t = t0; t < t1; t += 16, words += TILE_WORDS) // transpose every tile once (shared by all rows)
         {
-            // 4 tiles ahead (within the block's contiguous words), into L1: prefetchValues brought them into L2
-            // (hint 3 instead of 2: 0.986-0.991x the op's time, SmolLM2 at 8K, stop 37)
-            for (int i = 0; i < TILE_WORDS * 4; i += 64)
-                __builtin_prefetch(reinterpret_cast<const char*>(words + 4 * TILE_WORDS) + i, 0, 3);
+            for (int i = 0; i < TILE_WORDS * 4; i += 64) // 4 tiles ahead (within the block's contiguous words)
+                __builtin_prefetch(reinterpret_cast<const char*>(words + 4 * TILE_WORDS) + i, 0, 2);
             transposeTile<BITS>(words, s.tw + int64_t(t - qa) / 16 * TILE_WORDS);
         }
         return ok8;
