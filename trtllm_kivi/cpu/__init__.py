@@ -2,7 +2,9 @@
 
 - `_abi`: the C ABI (library finder/loader, parameter structs); standard library only.
 - `ops`: `kivi_attention_cpu_` (signature and semantics of reference.kivi_attention_) and `full_attention_cpu_`
-  (the unquantized cache's step, FullCache.attention).
+  (the unquantized cache's step, FullCache.attention); `KiviCpuAttention` / `FullCpuAttention`: the same ops bound
+  to a cache's layers (buffers checked and params built once; what KiviCache / FullCache's cpu backends and the
+  onnxruntime in-place op call once per layer per step).
 """
 
 from ._abi import KiviCpuLibrary, find_library, load_library
