@@ -333,6 +333,11 @@ def test_dense_matches_full_cache(cache_dtype, isa) -> None:
         bound(0, q, k, v, step.slot_ids, step.past_len, step.chunk_len.long())
     with pytest.raises(ValueError, match="must be \\[tokens, 8, 64\\]"):
         bound(0, q[:, :4].contiguous(), k, v, step.slot_ids, step.past_len, step.chunk_len)
+    for bad_out in (torch.empty(q.shape, dtype=torch.float64), torch.empty(q.shape[0], 64, 8).transpose(1, 2)):
+        with pytest.raises(ValueError, match="must be a contiguous CPU tensor like q"):
+            full_attention_cpu_(q, k, v, step.slot_ids, step.past_len, step.chunk_len, k_cache, v_cache, out=bad_out)
+        with pytest.raises(ValueError, match="must be a contiguous CPU tensor like q"):
+            bound(0, q, k, v, step.slot_ids, step.past_len, step.chunk_len, out=bad_out)
 
 
 def _one_step_args(run: Run, slots, chunks):

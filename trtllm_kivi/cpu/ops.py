@@ -109,6 +109,16 @@ def _buffer_shapes(cfg: KiviConfig, hkv: int, d: int, num_blocks: int, num_slots
     return buffer_shapes(cfg, hkv, d, num_blocks, num_slots)
 
 
+def _out_like(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """out, or a new tensor like q; a given out must be a contiguous CPU tensor of q's shape and dtype."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or not out.is_cpu or not out.is_contiguous():
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be a contiguous CPU tensor like q "
+                         f"{tuple(q.shape)} {q.dtype}")
+    return out
+
+
 def make_params(q, k, v, out, slot_ids, past_len, chunk_len, block_table, buffers: KiviBuffers, cfg: KiviConfig,
                 *, isa: str = "auto", threads: int = 0, phase: int = _abi.PHASE_STEP) -> KiviCpuParams:
     tokens, h, d = q.shape
@@ -168,11 +178,7 @@ def kivi_attention_cpu_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_
           or not (q.dtype == k.dtype == v.dtype == buffers.k_window.dtype) or q.device.type != "cpu"
           or tuple(k.shape) != (q.shape[0], buffers.k_window.shape[1], q.shape[2]) or k.shape != v.shape):
         _check_step(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers, cfg)  # names the bad value
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device.type != "cpu" or not out.is_contiguous():
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be a contiguous CPU tensor like q "
-                         f"{tuple(q.shape)} {q.dtype}")
+    out = _out_like(q, out)
     lib.step(make_params(q, k, v, out, slot_ids, past_len, chunk_len, block_table, buffers, cfg, isa=isa,
                          threads=_threads(threads), phase=phase))
     return out
@@ -243,11 +249,7 @@ class KiviCpuAttention:
             self._step = (slot_ids, past_len, chunk_len, block_table)
             self._ptrs = (slot_ids.shape[0], block_table.shape[1], _ptr(slot_ids), _ptr(past_len), _ptr(chunk_len),
                           _ptr(block_table))
-        if out is None:
-            out = torch.empty_like(q)
-        elif out.shape != q.shape or out.dtype != dt or not out.is_cpu or not out.is_contiguous():
-            raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be a contiguous CPU tensor like q "
-                             f"{tuple(q.shape)} {q.dtype}")
+        out = _out_like(q, out)
         p = self._params[layer]
         p.numTokens, p.numThreads, p.phase = tokens, _threads(threads), phase
         p.batch, p.maxBlocksPerSeq, p.slotIds, p.pastLen, p.chunkLen, p.blockTable = self._ptrs
@@ -309,11 +311,7 @@ class FullCpuAttention:
             _check_ints(slot_ids, past_len, chunk_len)
             self._step = (slot_ids, past_len, chunk_len)
             self._ptrs = (slot_ids.shape[0], _ptr(slot_ids), _ptr(past_len), _ptr(chunk_len))
-        if out is None:
-            out = torch.empty_like(q)
-        elif out.shape != q.shape or out.dtype != dt or not out.is_cpu or not out.is_contiguous():
-            raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be a contiguous CPU tensor like q "
-                             f"{tuple(q.shape)} {q.dtype}")
+        out = _out_like(q, out)
         p = self._params[layer]
         p.numTokens, p.numThreads, p.actDtype = tokens, _threads(threads), _DTYPE_CODES[dt]
         p.batch, p.slotIds, p.pastLen, p.chunkLen = self._ptrs
@@ -351,8 +349,7 @@ def full_attention_cpu_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_
         raise ValueError(f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype} must be equal: float16, bfloat16 or float32")
     if isa not in _abi.ISA_CODES:
         raise ValueError(f"isa={isa!r} is not a path; allowed: {', '.join(_abi.ISA_CODES)}")
-    if out is None:
-        out = torch.empty_like(q)
+    out = _out_like(q, out)  # the library writes tokens x H x D floats of q's dtype there
     p = KiviCpuDenseParams()
     p.numHeads, p.numKvHeads, p.headDim = h, hkv, d
     p.actDtype, p.cacheDtype = _DTYPE_CODES[q.dtype], _DTYPE_CODES[k_cache.dtype]
