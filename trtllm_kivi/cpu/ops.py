@@ -97,7 +97,6 @@ def _check_qkv(q, k, v, hkv: int, window_dtype: torch.dtype) -> None:
 
 
 def _check_step(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers: KiviBuffers, cfg: KiviConfig) -> None:
-    _check_common(("q", "k", "v"), (q, k, v))
     _check_ints(slot_ids, past_len, chunk_len, block_table)
     _check_buffers(buffers, cfg)
     _check_qkv(q, k, v, buffers.k_codes.shape[1], buffers.k_window.dtype)
@@ -209,15 +208,14 @@ class KiviCpuAttention:
             raise ValueError("layers is empty; bind at least one layer's KiviBuffers")
         self.lib = lib or _abi.load_library()
         self.layers, self.cfg = tuple(layers), cfg
-        for bufs in self.layers:
-            _check_buffers(bufs, cfg)
-        first = self.layers[0]
-        hkv, d = first.k_codes.shape[1], first.k_window.shape[-1]
-        self._dtype = first.k_window.dtype
         for i, bufs in enumerate(self.layers):
-            if bufs.k_codes.shape[1] != hkv or bufs.k_window.shape[-1] != d or bufs.k_window.dtype != self._dtype:
-                raise ValueError(f"layer {i}: kv heads {bufs.k_codes.shape[1]}, head_dim {bufs.k_window.shape[-1]}, "
-                                 f"dtype {bufs.k_window.dtype} differ from layer 0's {hkv}, {d}, {self._dtype}")
+            _check_buffers(bufs, cfg)
+            geo = (bufs.k_codes.shape[1], bufs.k_window.shape[-1], bufs.k_window.dtype)  # kv heads, head_dim, dtype
+            if i == 0:
+                hkv, d, self._dtype = geo
+            elif geo != (hkv, d, self._dtype):
+                raise ValueError(f"layer {i}: kv heads, head_dim, dtype {geo} differ from layer 0's "
+                                 f"{(hkv, d, self._dtype)}")
         if num_heads <= 0 or num_heads % hkv:
             raise ValueError(f"num_heads={num_heads} must be a positive multiple of the kv heads {hkv}")
         self._h, self._hkv, self._d = num_heads, hkv, d
