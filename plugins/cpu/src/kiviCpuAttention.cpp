@@ -210,8 +210,7 @@ public:
         // the workers' next spin: from the gap between the previous run's end and this run's start
         const auto end = std::chrono::steady_clock::now();
         const int64_t gap = std::chrono::duration_cast<std::chrono::nanoseconds>(start - mLastEnd).count();
-        mSpinNs.store(gap >= 0 && gap < kSPIN_MAX_NS ? std::min(kSPIN_MAX_NS, std::max(kSPIN_MIN_NS, 2 * gap))
-                                                     : kSPIN_MIN_NS);
+        mSpinNs.store(gap >= 0 && gap < kSPIN_MAX_NS ? std::clamp(2 * gap, kSPIN_MIN_NS, kSPIN_MAX_NS) : kSPIN_MIN_NS);
         mLastEnd = end;
     }
 

@@ -1110,14 +1110,21 @@ struct Attn
         int g1, int a, int b, int part, int parts)
     {
         const int n = (g1 - g0) * (b - a), eb = dtypeBytes(c.actDtype), i1 = int(int64_t(n) * (part + 1) / parts);
-        for (int i = int(int64_t(n) * part / parts); i < i1; ++i)
+        const int i0 = int(int64_t(n) * part / parts);
+        int g = g0 + i0 / (b - a), t = a + i0 % (b - a); // row i = (g - g0) (b - a) + t - a: divided once per call
+        for (int i = i0; i < i1; ++i)
         {
-            const int64_t off = windowOffset(c, sp, g0 + i / (b - a), a + i % (b - a));
+            const int64_t off = windowOffset(c, sp, g, t);
             for (int kv = 0; kv < 2; ++kv)
             {
                 const char* p = static_cast<const char*>(kv == 0 ? c.kWin : c.vWin) + off * eb;
                 for (int j = 0; j < D * eb; j += 64)
                     __builtin_prefetch(p + j, 0, 2);
+            }
+            if (++t == b)
+            {
+                t = a;
+                ++g;
             }
         }
     }
