@@ -289,25 +289,58 @@ struct S
             0, 0, 0), v));
     }
 
+    // Scale maxima by bit patterns: a non-negative IEEE float orders as its bits read unsigned, and every infinite or
+    // NaN magnitude has bits >= +inf's, so one unsigned max per 32 fp16 / bf16 (16 fp32) scales finds the maximum
+    // and whether all are finite, with no conversion (converting and comparing each vector took ~5x the operations).
+    // kINF_BITS: +inf's bits per scale dtype, in the lane width of maxBits (16 bits for fp16 / bf16, 32 for fp32).
+    static uint32_t infBits(int32_t dtype)
+    {
+        return dtype == kiviCpuFloat32 ? 0x7F800000u : dtype == kiviCpuFloat16 ? 0x7C00u : 0x7F80u;
+    }
+
     // |key scale| maxima of ng consecutive key groups (D scales each from entry off): smax[d] = max |scale_d|; false
     // if a scale is not finite.
     template <int D>
     static bool keyScaleMax(const void* base, int64_t off, int ng, int32_t dtype, float* smax)
     {
-        __m512 m[D / 16];
-        __mmask16 bad = 0;
-        for (int n = 0; n < D / 16; ++n)
-            m[n] = _mm512_setzero_ps();
-        for (int gi = 0; gi < ng; ++gi)
+        if (dtype == kiviCpuFloat32)
+        {
+            const int32_t* p = static_cast<const int32_t*>(base) + off;
+            __m512i m[D / 16];
+            for (int n = 0; n < D / 16; ++n)
+                m[n] = _mm512_setzero_si512();
+            for (int gi = 0; gi < ng; ++gi)
+                for (int n = 0; n < D / 16; ++n)
+                    m[n] = _mm512_max_epu32(m[n], _mm512_and_si512(_mm512_loadu_si512(p + int64_t(gi) * D + 16 * n),
+                        _mm512_set1_epi32(0x7FFFFFFF)));
+            __m512i all = m[0];
             for (int n = 0; n < D / 16; ++n)
             {
-                const __m512 a = _mm512_abs_ps(loadAct(base, off + int64_t(gi) * D + 16 * n, dtype));
-                bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ); // inf or NaN
-                m[n] = _mm512_max_ps(m[n], a);
+                all = _mm512_max_epu32(all, m[n]);
+                _mm512_storeu_si512(smax + 16 * n, m[n]);
             }
-        for (int n = 0; n < D / 16; ++n)
-            _mm512_storeu_ps(smax + 16 * n, m[n]);
-        return bad == 0;
+            return _mm512_cmpge_epu32_mask(all, _mm512_set1_epi32(0x7F800000)) == 0;
+        }
+        const int16_t* p = static_cast<const int16_t*>(base) + off;
+        __m512i m[D / 32];
+        for (int n = 0; n < D / 32; ++n)
+            m[n] = _mm512_setzero_si512();
+        for (int gi = 0; gi < ng; ++gi)
+            for (int n = 0; n < D / 32; ++n)
+                m[n] = _mm512_max_epu16(m[n], _mm512_and_si512(_mm512_loadu_si512(p + int64_t(gi) * D + 32 * n),
+                    _mm512_set1_epi16(0x7FFF)));
+        __m512i all = m[0];
+        for (int n = 0; n < D / 32; ++n)
+        {
+            all = _mm512_max_epu16(all, m[n]);
+            for (int h = 0; h < 2; ++h)
+            {
+                const __m256i x = h == 0 ? _mm512_castsi512_si256(m[n]) : _mm512_extracti64x4_epi64(m[n], 1);
+                _mm512_storeu_ps(smax + 32 * n + 16 * h, dtype == kiviCpuFloat16 ? _mm512_cvtph_ps(x)
+                    : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)));
+            }
+        }
+        return _mm512_cmpge_epu16_mask(all, _mm512_set1_epi16(int16_t(infBits(dtype)))) == 0;
     }
 
     // The key digits' fixed-point scale of NR <= 4 rows for the key groups of one block (qf: the rows' q / sqrt(D),
@@ -426,35 +459,65 @@ struct S
         }
     }
 
-    // mx = max(mx, scale) lane-wise over n (a multiple of 16) value scales from entry idx (lane l: group l % ng, as
-    // entries are token-major); false if one is negative or not finite.
-    static bool maxNonNegative(const void* base, int64_t idx, int n, int32_t dtype, F& mx)
+    // mx = the unsigned max of mx and the bit patterns of n (a multiple of 16) value scales from entry idx (lanes of
+    // 16 bits for fp16 / bf16, 32 for fp32; lane l holds entries l mod its lane count, so group l % ng, as entries are
+    // token-major and idx is a multiple of ng). Negative scales (sign bit set) also read above +inf: groupMaxBits
+    // refuses them with the non-finite ones (-0.0 too: the fp32 path, which is exact for it as well).
+    using MX = __m512i;
+    static MX maxBitsInit() { return _mm512_setzero_si512(); }
+    static void maxBits(const void* base, int64_t idx, int n, int32_t dtype, MX& mx)
     {
-        __mmask16 bad = 0;
-        for (int e = 0; e < n; e += 16)
+        if (dtype == kiviCpuFloat32)
         {
-            const __m512 x = loadAct(base, idx + e, dtype);
-            bad |= _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_NGE_UQ)   // negative or NaN
-                | _mm512_cmp_ps_mask(x, _mm512_set1_ps(FLT_MAX), _CMP_GT_OQ); // +inf
-            mx = _mm512_max_ps(mx, x);
+            const int32_t* p = static_cast<const int32_t*>(base) + idx;
+            for (int e = 0; e < n; e += 16)
+                mx = _mm512_max_epu32(mx, _mm512_loadu_si512(p + e));
+            return;
         }
-        return bad == 0;
+        const int16_t* p = static_cast<const int16_t*>(base) + idx;
+        int e = 0;
+        for (; e + 32 <= n; e += 32)
+            mx = _mm512_max_epu16(mx, _mm512_loadu_si512(p + e));
+        if (e < n) // 16 entries left: lanes 0..15 (e is a multiple of 32, so lane l is still entry l mod 32)
+            mx = _mm512_max_epu16(mx, _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + e))));
     }
 
-    // f[gi] = the largest lane of group gi (lanes l with l % ng == gi) of maxNonNegative's mx.
-    static void groupMax(F mx, int ng, float* f)
+    // f[gi] = the largest scale of group gi (lanes l with l % ng == gi) from maxBits' mx; false if a scale was
+    // negative, infinite or NaN.
+    static bool groupMaxBits(MX mx, int ng, int32_t dtype, float* f)
     {
-        // fold lanes 8 apart, then 4 (ng 4 is done), then 2 (ng 2) and 1 (ng 1): lanes 0 .. ng - 1 hold the maxima
-        mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, 0x4E));
-        mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, 0xB1));
-        if (ng <= 2)
-            mx = _mm512_max_ps(mx, _mm512_permute_ps(mx, 0x4E));
-        if (ng == 1)
-            mx = _mm512_max_ps(mx, _mm512_permute_ps(mx, 0xB1));
-        alignas(64) float lanes[16];
-        _mm512_store_ps(lanes, mx);
+        // fold to one 128-bit lane, then lanes 4 / 2 / 1 (16-bit) or 2 / 1 (32-bit) apart down to ng lanes
+        const __m256i lo = _mm512_castsi512_si256(mx), hi = _mm512_extracti64x4_epi64(mx, 1);
+        alignas(16) uint32_t bits[4];
+        uint32_t top = 0;
+        if (dtype == kiviCpuFloat32)
+        {
+            const __m256i y = _mm256_max_epu32(lo, hi);
+            __m128i x = _mm_max_epu32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
+            if (ng <= 2)
+                x = _mm_max_epu32(x, _mm_srli_si128(x, 8));
+            if (ng == 1)
+                x = _mm_max_epu32(x, _mm_srli_si128(x, 4));
+            _mm_store_si128(reinterpret_cast<__m128i*>(bits), x);
+        }
+        else
+        {
+            const __m256i y = _mm256_max_epu16(lo, hi);
+            __m128i x = _mm_max_epu16(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
+            x = _mm_max_epu16(x, _mm_srli_si128(x, 8)); // ng <= 4
+            if (ng <= 2)
+                x = _mm_max_epu16(x, _mm_srli_si128(x, 4));
+            if (ng == 1)
+                x = _mm_max_epu16(x, _mm_srli_si128(x, 2));
+            _mm_store_si128(reinterpret_cast<__m128i*>(bits), _mm_cvtepu16_epi32(x)); // lanes 0..3 as 32-bit
+        }
         for (int gi = 0; gi < ng; ++gi)
-            f[gi] = lanes[gi];
+        {
+            top = bits[gi] > top ? bits[gi] : top;
+            f[gi] = dtype == kiviCpuFloat32 ? bitsF32(bits[gi])
+                : dtype == kiviCpuFloat16 ? _cvtsh_ss(uint16_t(bits[gi])) : bitsF32(bits[gi] << 16);
+        }
+        return top < infBits(dtype);
     }
 
     // The value digits of NR <= 4 rows over nt tiles of one block (stageCoefs and the digits in one pass, no fp32
@@ -462,9 +525,10 @@ struct S
     // + gi (token-major, as stored, from store entry idx): n = round(p_t * (scale_e * inv[gi])) (inv: 2^22 / F per
     // group; one rounding), zacc[i 8 + gi] += sum_t p_t zero_e; dig + i digStride: [(gi kSPLIT_LEN / 16 + tile) 16 + 4 k + tq]
     // (dwords), byte b = token 16 tile + 8 (b >> 1) + 2 tq + (b & 1). p: row 0's p of the block's first token (row
-    // stride pStride). False if a coefficient is NaN.
+    // stride pStride). A NaN p (a NaN score) makes garbage digits, in its row only: that row's softmax sum is NaN,
+    // so its output is NaN, as the reference's (until stop 38 a NaN sent the head's span to the fp32 path).
     template <int NR, int NG>
-    static bool valueCoefDigits(const void* vScale, const void* vZero, int64_t idx, int32_t dtype, int nt,
+    static void valueCoefDigits(const void* vScale, const void* vZero, int64_t idx, int32_t dtype, int nt,
         const float* p, int64_t pStride, const float* inv, float* zacc, int32_t* dig, int64_t digStride)
     {
         constexpr int SH = NG == 1 ? 0 : NG == 2 ? 1 : 2; // e / NG
@@ -479,11 +543,9 @@ struct S
         for (int gi = 0; gi < NG; ++gi)
             gidx[gi] = _mm512_loadu_si512(kVALUE_GATHER.idx[NG - 1 + gi].data());
         // n + 0x808080 in one rounding: fma(p, scale inv, 0x808080) is exact to the integer (|p scale inv| <= 2^22,
-        // the sum below 2^24) and rounds half to even like vcvtps2dq (0x808080 is even); a NaN converts to 0x80000000,
-        // the only negative result (min over all of them)
+        // the sum below 2^24) and rounds half to even like vcvtps2dq (0x808080 is even)
         const __m512 biasF = _mm512_set1_ps(float(0x808080));
         const __m512i bias = _mm512_set1_epi32(0x808080);
-        __m512i mn = _mm512_setzero_si512();
         for (int tile = 0; tile < nt; ++tile)
         {
             __m512i w[NR][NG];
@@ -495,9 +557,7 @@ struct S
                 for (int i = 0; i < NR; ++i)
                 {
                     const __m512 pv = spread(p + i * pStride + (e >> SH), NG);
-                    const __m512i n = _mm512_cvtps_epi32(_mm512_fmadd_ps(pv, sc, biasF));
-                    mn = _mm512_min_epi32(mn, n);
-                    w[i][v] = _mm512_xor_si512(n, bias);
+                    w[i][v] = _mm512_xor_si512(_mm512_cvtps_epi32(_mm512_fmadd_ps(pv, sc, biasF)), bias);
                     z[i] = _mm512_fmadd_ps(pv, zr, z[i]);
                 }
             }
@@ -524,7 +584,6 @@ struct S
             for (int l = 0; l < 16; ++l) // lane l holds group l % NG
                 zacc[i * 8 + (l & (NG - 1))] += zl[l];
         }
-        return _mm512_reduce_min_epi32(mn) >= 0;
     }
 
     // acc[i][32 j + c] += rec sum_t coef_it code_tc over nt transposed 2-bit value tiles (consecutive, D words

@@ -344,12 +344,13 @@ struct Attn
     {
         const int ng = D / c.Gv;
         float f[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        typename X::F mx = X::zero(); // one vector over the runs, reduced once
-        if (!allValueScaleRuns(c, sp, g, qa, qend, [&](int64_t idx, int n) {
-                return X::maxNonNegative(c.vScale, idx, n, c.scaleDtype, mx);
-            }))
+        typename X::MX mx = X::maxBitsInit(); // one vector over the runs, reduced once
+        allValueScaleRuns(c, sp, g, qa, qend, [&](int64_t idx, int n) {
+            X::maxBits(c.vScale, idx, n, c.scaleDtype, mx);
+            return true;
+        });
+        if (!X::groupMaxBits(mx, ng, c.scaleDtype, f))
             return false;
-        X::groupMax(mx, ng, f);
         for (int gi = 0; gi < ng; ++gi)
         {
             if (f[gi] != 0.0f && f[gi] < 1e-30f)
@@ -390,9 +391,9 @@ struct Attn
     }
 
     // The value digits (and zacc) of rows r0 .. r0 + nr of tiles [t0, t1) (one block from store entry idx;
-    // valuesStage): S::valueCoefDigits; false if a coefficient is NaN.
+    // valuesStage): S::valueCoefDigits.
     template <class X = S>
-    static bool valueCoefDigitRows(const Ctx& c, int64_t idx, int nr, int ng, int qa, int t0, int t1, const float* p,
+    static void valueCoefDigitRows(const Ctx& c, int64_t idx, int nr, int ng, int qa, int t0, int t1, const float* p,
         int r0, Scratch& s)
     {
         int32_t* dig = s.vdig + int64_t(r0) * kDOT8_VALUE_DWORDS + (t0 - qa) / 16 * 16;
@@ -404,10 +405,10 @@ struct Attn
 #define KIVI_VCD_NG(NR) (ng == 1 ? KIVI_VCD(NR, 1) : ng == 2 ? KIVI_VCD(NR, 2) : KIVI_VCD(NR, 4))
         switch (nr)
         {
-        case 1: return KIVI_VCD_NG(1);
-        case 2: return KIVI_VCD_NG(2);
-        case 3: return KIVI_VCD_NG(3);
-        default: return KIVI_VCD_NG(4);
+        case 1: KIVI_VCD_NG(1); break;
+        case 2: KIVI_VCD_NG(2); break;
+        case 3: KIVI_VCD_NG(3); break;
+        default: KIVI_VCD_NG(4); break;
         }
 #undef KIVI_VCD_NG
 #undef KIVI_VCD
@@ -766,19 +767,17 @@ struct Attn
     // Stage per-token quantized values t in [t0, t1) (whole tiles of one block) of the span starting at qa:
     // coef = p_t * scale per token and group, zacc += sum_t p_t * zero per group (added once at the end of the split),
     // and the transposed tiles. Every store byte of the values is read here (valuesAccumulate reads scratch only).
-    // dot8 (S::kDOT8, valueDigitScales true): the rows' digits instead of coef (valueCoefDigitRows); returns false if
-    // a coefficient is NaN.
+    // dot8 (S::kDOT8, valueDigitScales true): the rows' digits instead of coef (valueCoefDigitRows).
     // dn (S::kDENORMAL2): coefficients scaled for the subnormal decode; dnOk is cleared if one is not finite (then
     // the caller stages the span again without dn).
     template <int BITS>
-    static bool valuesStage(const Ctx& c, const SeqPlan& sp, int g, int rows, int qa, int t0, int t1, int a, Scratch& s,
+    static void valuesStage(const Ctx& c, const SeqPlan& sp, int g, int rows, int qa, int t0, int t1, int a, Scratch& s,
         bool dot8, bool dn, bool& dnOk)
     {
         const int ng = D / c.Gv;
         const int jq = t0 - sp.sink; // store index; [t0, t1) lies in one block
         const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + jq / c.BS];
         const int64_t idx = ((int64_t(blk) * c.Hkv + g) * c.BS + jq % c.BS) * ng;
-        bool ok8 = true;
         for (int r0 = 0; r0 < rows; r0 += RB) // each scale / zero vector converted once per RB rows
         {
             const float* p = s.scores + int64_t(r0) * scoreStride() + (t0 - a);
@@ -788,7 +787,7 @@ struct Attn
             if constexpr (S::kDOT8 && BITS == 2) // the digits straight from p and the scales
                 if (dot8)
                 {
-                    ok8 = valueCoefDigitRows(c, idx, nr, ng, qa, t0, t1, p, r0, s) && ok8;
+                    valueCoefDigitRows(c, idx, nr, ng, qa, t0, t1, p, r0, s);
                     continue;
                 }
             if constexpr (S::kDENORMAL2 && BITS == 2) // stageCoefs<., true> exists only for these S
@@ -808,7 +807,6 @@ struct Attn
                 __builtin_prefetch(reinterpret_cast<const char*>(words + 4 * TILE_WORDS) + i, 0, 2);
             transposeTile<BITS>(words, s.tw + int64_t(t - qa) / 16 * TILE_WORDS);
         }
-        return ok8;
     }
 
     // acc += coef_t * code_t over the staged span [qa, qend) (valuesStage; the zero terms are in zacc). Reads scratch only.
@@ -921,18 +919,16 @@ struct Attn
         if constexpr (S::kDOT8)
             if (c.vBits == 2)
                 dot8 = valueDigitScales(c, sp, g, qa, qend, s);
-        const bool tried8 = dot8;
         bool dn = S::kDENORMAL2 && c.vBits == 2, dnOk = true;
         for (int t = qa; t < qend; t = blockEnd(t))
             switch (c.vBits)
             {
-            case 2: dot8 = valuesStage<2>(c, sp, g, rows, qa, t, blockEnd(t), a, s, dot8, dn, dnOk) && dot8; break;
+            case 2: valuesStage<2>(c, sp, g, rows, qa, t, blockEnd(t), a, s, dot8, dn, dnOk); break;
             case 4: valuesStage<4>(c, sp, g, rows, qa, t, blockEnd(t), a, s, false, false, dnOk); break;
             default: valuesStage<8>(c, sp, g, rows, qa, t, blockEnd(t), a, s, false, false, dnOk); break;
             }
-        // a coefficient too large for the subnormal decode, or a NaN one (the blocks staged as digits have no fp32
-        // coefficients): the whole span again, fp32
-        if ((dn && !dnOk) || (tried8 && !dot8))
+        // a coefficient too large for the subnormal decode or a NaN one: the whole span again, fp32
+        if (dn && !dnOk)
         {
             dn = false;
             for (int i = 0; i < rows * 8; ++i)
