@@ -344,44 +344,41 @@ struct S
     }
 
     // The key digits' fixed-point scale of NR <= 4 rows for the key groups of one block (qf: the rows' q / sqrt(D),
-    // stride D; smax: keyScaleMax over the block's groups): F_i = max_d |qf_id| smax_d bounds |qf * scale| in each of
-    // them, so one inverse serves them all (until stop 31 F was found per group: a max pass and a division per
+    // stride D; smax: keyScaleMax over the block's groups, finite): F_i = max_d |qf_id| smax_d bounds |qf * scale| in
+    // each of them, so one inverse serves them all (until stop 31 F was found per group: a max pass and a division per
     // 32 tokens). A group whose products are far below the block's largest gets the block's step, F 2^-22: the score
     // error bound stays D 1.5 F 2^-22, absolute (test_key_outlier_groups). qi = qf 2^22 / F_i, rec[i] = F_i 2^-22.
-    // False (the fp32 path) when a product is not finite or an F is too small to invert.
+    // False (the fp32 path) when a q is not finite, a product overflows, an F is too small to invert, or a q * 2^22 / F
+    // overflows (a channel whose scales are all 0 bounds nothing). qmax (Attn::loadQ: max_d |qf_id|, NaN if a q is not
+    // finite) makes these per-row scalar checks (a compare per vector until stop 38): with q and smax finite no product
+    // is NaN, so an overflow shows in F, and |qf_d| / F <= qmax / F.
     template <int D, int NR>
-    static bool keyBlockScale(const float* qf, const float* smax, float* qi, float* rec)
+    static bool keyBlockScale(const float* qf, const float* smax, const float* qmax, float* qi, float* rec)
     {
         constexpr int NV = D / 16;
+        for (int i = 0; i < NR; ++i)
+            if (!(qmax[i] <= FLT_MAX))
+                return false;
         __m512 mx[4];
-        __mmask16 bad = 0;
         for (int i = 0; i < 4; ++i)
             mx[i] = _mm512_setzero_ps();
         for (int i = 0; i < NR; ++i)
             for (int n = 0; n < NV; ++n)
-            {
-                const __m512 a
-                    = _mm512_mul_ps(_mm512_abs_ps(_mm512_loadu_ps(qf + i * D + 16 * n)), _mm512_loadu_ps(smax + 16 * n));
-                bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ); // inf or NaN
-                mx[i] = _mm512_max_ps(mx[i], a);
-            }
+                mx[i] = _mm512_max_ps(mx[i],
+                    _mm512_mul_ps(_mm512_abs_ps(_mm512_loadu_ps(qf + i * D + 16 * n)), _mm512_loadu_ps(smax + 16 * n)));
         alignas(16) float f[4];
         _mm_store_ps(f, reduce4(mx, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }));
         for (int i = 0; i < NR; ++i)
         {
-            if (bad || (f[i] != 0.0f && f[i] < 1e-30f))
+            const float inv = f[i] == 0.0f ? 0.0f : kFIX / f[i];
+            if (!(f[i] <= FLT_MAX) || (f[i] != 0.0f && f[i] < 1e-30f) || !(qmax[i] * inv <= FLT_MAX))
                 return false;
             rec[i] = f[i] * (1.0f / kFIX);
-            const __m512 inv = _mm512_set1_ps(f[i] == 0.0f ? 0.0f : kFIX / f[i]);
             for (int n = 0; n < NV; ++n)
-            {
-                // a channel whose scales are all 0 bounds nothing: its q * inv may overflow (times 0: NaN)
-                const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qf + i * D + 16 * n), inv);
-                bad |= _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);
-                _mm512_storeu_ps(qi + i * D + 16 * n, x);
-            }
+                _mm512_storeu_ps(qi + i * D + 16 * n, _mm512_mul_ps(_mm512_loadu_ps(qf + i * D + 16 * n),
+                    _mm512_set1_ps(inv)));
         }
-        return bad == 0;
+        return true;
     }
 
     // Key preparation of NR <= 4 rows for one group (qf: rows' q / sqrt(D), qi: keyBlockScale's, stride D; the group's

@@ -104,6 +104,7 @@ struct Attn
         float* krec;   // [rows] key digits' scales (the current block's)
         float* vfix;   // [8] value digits' scales (4 groups), then their inverses: shared by the rows
         float* kqi;    // [rows, D] qf * 2^22 / F for the current block's key digits (S::keyBlockScale; kDOT8 only)
+        float* qmax;   // [rows] max_d |qf|, NaN if a q is not finite (loadQ; kDOT8 only)
         bool kdot8;    // the current block's 2-bit keys take the integer dot products (keyDigitScales)
     };
 
@@ -128,6 +129,7 @@ struct Attn
         s.krec = reinterpret_cast<float*>(s.vdig + int64_t(rows) * kDOT8_VALUE_DWORDS);
         s.vfix = s.krec + rows;
         s.kqi = s.vfix + 8;
+        s.qmax = s.kqi + rows * D;
         s.kdot8 = false;
         return s;
     }
@@ -137,16 +139,28 @@ struct Attn
         return kSCORE_STRIDE;
     }
 
-    // q rows of a tile: row = i * grp + j is query position past + pos0 + i, head kvHead * grp + j.
-    static void loadQ(const Ctx& c, const SeqPlan& sp, int g, int pos0, int npos, float* qf)
+    // q rows of a tile: row = i * grp + j is query position past + pos0 + i, head kvHead * grp + j. kDOT8: qmax too
+    // (S::keyBlockScale's bounds, once per item instead of per block).
+    static void loadQ(const Ctx& c, const SeqPlan& sp, int g, int pos0, int npos, float* qf, float* qmax)
     {
         for (int i = 0; i < npos; ++i)
             for (int j = 0; j < c.grp; ++j)
             {
                 int64_t off = (int64_t(sp.tokOffset + pos0 + i) * c.H + g * c.grp + j) * D;
                 float* dst = qf + (i * c.grp + j) * D;
+                typename S::F m = S::zero(), bad = S::zero(); // bad: sum of q * 0, NaN iff a q is not finite
                 for (int n = 0; n < NV; ++n)
-                    S::store(dst + n * W, S::mul(S::loadAct(c.q, off + n * W, c.actDtype), S::set1(c.smScale)));
+                {
+                    const typename S::F x = S::mul(S::loadAct(c.q, off + n * W, c.actDtype), S::set1(c.smScale));
+                    S::store(dst + n * W, x);
+                    if constexpr (S::kDOT8)
+                    {
+                        m = S::max(m, S::max(x, S::sub(S::zero(), x)));
+                        bad = S::fma(x, S::zero(), bad);
+                    }
+                }
+                if constexpr (S::kDOT8)
+                    qmax[i * c.grp + j] = S::hmax(m) + S::hsum(bad);
             }
     }
 
@@ -298,10 +312,10 @@ struct Attn
             bool ok;
             switch (imin(4, rows - r0))
             {
-            case 1: ok = X::template keyBlockScale<D, 1>(qf, smax, qi, s.krec + r0); break;
-            case 2: ok = X::template keyBlockScale<D, 2>(qf, smax, qi, s.krec + r0); break;
-            case 3: ok = X::template keyBlockScale<D, 3>(qf, smax, qi, s.krec + r0); break;
-            default: ok = X::template keyBlockScale<D, 4>(qf, smax, qi, s.krec + r0); break;
+            case 1: ok = X::template keyBlockScale<D, 1>(qf, smax, s.qmax + r0, qi, s.krec + r0); break;
+            case 2: ok = X::template keyBlockScale<D, 2>(qf, smax, s.qmax + r0, qi, s.krec + r0); break;
+            case 3: ok = X::template keyBlockScale<D, 3>(qf, smax, s.qmax + r0, qi, s.krec + r0); break;
+            default: ok = X::template keyBlockScale<D, 4>(qf, smax, s.qmax + r0, qi, s.krec + r0); break;
             }
             if (!ok)
                 return false;
@@ -1257,7 +1271,7 @@ struct Attn
                 for (int g = g0; g < g1; ++g)
                 {
                     hs[g - g0] = carve(scratch + (g - g0) * scratchFloats(rows, D), rows);
-                    loadQ(c, sp, g, pos0, npos, hs[g - g0].qf);
+                    loadQ(c, sp, g, pos0, npos, hs[g - g0].qf, hs[g - g0].qmax);
                 }
                 splitPartial(c, sp, g0, g1, pos0, npos, it.split, hs);
                 for (int g = g0; g < g1; ++g)
@@ -1270,7 +1284,7 @@ struct Attn
             return;
         }
         Scratch s = carve(scratch, rows);
-        loadQ(c, sp, it.kvHead, pos0, npos, s.qf);
+        loadQ(c, sp, it.kvHead, pos0, npos, s.qf, s.qmax);
         const int lastPos = sp.past + pos0 + npos - 1;
         const int nSplits = numSplitsOf(lastPos + 1, c.sinks); // splits starting at or before the last position
         for (int j = 0; j < nSplits; ++j)
