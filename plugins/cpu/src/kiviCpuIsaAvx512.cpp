@@ -299,48 +299,44 @@ struct S
     }
 
     // |key scale| maxima of ng consecutive key groups (D scales each from entry off): smax[d] = max |scale_d|; false
-    // if a scale is not finite.
+    // if a scale is not finite. B: the scales' bits (16: fp16 / bf16, 32: fp32), one unsigned max per 512 / B.
+    template <int D, int B>
+    static bool keyScaleMaxBits(const void* base, int64_t off, int ng, int32_t dtype, float* smax)
+    {
+        constexpr int L = 512 / B; // scales per vector
+        const auto umax = [](__m512i a, __m512i b) { return B == 16 ? _mm512_max_epu16(a, b) : _mm512_max_epu32(a, b); };
+        const __m512i magnitude = B == 16 ? _mm512_set1_epi16(0x7FFF) : _mm512_set1_epi32(0x7FFFFFFF);
+        const char* p = static_cast<const char*>(base) + off * (B / 8);
+        __m512i m[D / L];
+        for (int n = 0; n < D / L; ++n)
+            m[n] = _mm512_setzero_si512();
+        for (int gi = 0; gi < ng; ++gi)
+            for (int n = 0; n < D / L; ++n)
+                m[n] = umax(m[n], _mm512_and_si512(_mm512_loadu_si512(p + (int64_t(gi) * D + L * n) * (B / 8)), magnitude));
+        __m512i all = m[0];
+        for (int n = 0; n < D / L; ++n)
+        {
+            all = umax(all, m[n]);
+            if constexpr (B == 32)
+                _mm512_storeu_si512(smax + 16 * n, m[n]);
+            else
+                for (int h = 0; h < 2; ++h)
+                {
+                    const __m256i x = h == 0 ? _mm512_castsi512_si256(m[n]) : _mm512_extracti64x4_epi64(m[n], 1);
+                    _mm512_storeu_ps(smax + 32 * n + 16 * h, dtype == kiviCpuFloat16 ? _mm512_cvtph_ps(x)
+                        : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)));
+                }
+        }
+        if constexpr (B == 32)
+            return _mm512_cmpge_epu32_mask(all, _mm512_set1_epi32(int32_t(infBits(dtype)))) == 0;
+        return _mm512_cmpge_epu16_mask(all, _mm512_set1_epi16(int16_t(infBits(dtype)))) == 0;
+    }
+
     template <int D>
     static bool keyScaleMax(const void* base, int64_t off, int ng, int32_t dtype, float* smax)
     {
-        if (dtype == kiviCpuFloat32)
-        {
-            const int32_t* p = static_cast<const int32_t*>(base) + off;
-            __m512i m[D / 16];
-            for (int n = 0; n < D / 16; ++n)
-                m[n] = _mm512_setzero_si512();
-            for (int gi = 0; gi < ng; ++gi)
-                for (int n = 0; n < D / 16; ++n)
-                    m[n] = _mm512_max_epu32(m[n], _mm512_and_si512(_mm512_loadu_si512(p + int64_t(gi) * D + 16 * n),
-                        _mm512_set1_epi32(0x7FFFFFFF)));
-            __m512i all = m[0];
-            for (int n = 0; n < D / 16; ++n)
-            {
-                all = _mm512_max_epu32(all, m[n]);
-                _mm512_storeu_si512(smax + 16 * n, m[n]);
-            }
-            return _mm512_cmpge_epu32_mask(all, _mm512_set1_epi32(0x7F800000)) == 0;
-        }
-        const int16_t* p = static_cast<const int16_t*>(base) + off;
-        __m512i m[D / 32];
-        for (int n = 0; n < D / 32; ++n)
-            m[n] = _mm512_setzero_si512();
-        for (int gi = 0; gi < ng; ++gi)
-            for (int n = 0; n < D / 32; ++n)
-                m[n] = _mm512_max_epu16(m[n], _mm512_and_si512(_mm512_loadu_si512(p + int64_t(gi) * D + 32 * n),
-                    _mm512_set1_epi16(0x7FFF)));
-        __m512i all = m[0];
-        for (int n = 0; n < D / 32; ++n)
-        {
-            all = _mm512_max_epu16(all, m[n]);
-            for (int h = 0; h < 2; ++h)
-            {
-                const __m256i x = h == 0 ? _mm512_castsi512_si256(m[n]) : _mm512_extracti64x4_epi64(m[n], 1);
-                _mm512_storeu_ps(smax + 32 * n + 16 * h, dtype == kiviCpuFloat16 ? _mm512_cvtph_ps(x)
-                    : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)));
-            }
-        }
-        return _mm512_cmpge_epu16_mask(all, _mm512_set1_epi16(int16_t(infBits(dtype)))) == 0;
+        return dtype == kiviCpuFloat32 ? keyScaleMaxBits<D, 32>(base, off, ng, dtype, smax)
+                                       : keyScaleMaxBits<D, 16>(base, off, ng, dtype, smax);
     }
 
     // The key digits' fixed-point scale of NR <= 4 rows for the key groups of one block (qf: the rows' q / sqrt(D),
