@@ -106,7 +106,7 @@ constexpr int32_t kDOT8_VALUE_DWORDS = 4 * (kSPLIT_LEN / 16) * 16;
 static inline int64_t scratchFloats(int32_t rows, int32_t D)
 {
     // + the transposed fragment tiles of one split's quantized span (at most 8-bit codes: 4 D words per tile)
-    // + per row: key and value digits, their scales, q scaled for the key digits (kDOT8 paths)
+    // + per row: key and value digits, their scales, q scaled for the key digits and max |q| (kDOT8 paths)
     return int64_t(rows) * (6 * D + 5 * kSCORE_STRIDE + 64) + 4 * kSCORE_STRIDE + 8 * D + 256
         + int64_t(kSPLIT_LEN / 16) * 4 * D + 64 + int64_t(rows) * (kDOT8_DIGITS * D / 4 + kDOT8_VALUE_DWORDS + 1) + 8
         + int64_t(rows) * (D + 1);
