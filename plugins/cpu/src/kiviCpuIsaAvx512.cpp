@@ -292,19 +292,27 @@ struct S
     // Scale maxima by bit patterns: a non-negative IEEE float orders as its bits read unsigned, and every infinite or
     // NaN magnitude has bits >= +inf's, so one unsigned max per 32 fp16 / bf16 (16 fp32) scales finds the maximum
     // and whether all are finite, with no conversion (converting and comparing each vector took ~5x the operations).
-    // kINF_BITS: +inf's bits per scale dtype, in the lane width of maxBits (16 bits for fp16 / bf16, 32 for fp32).
+    // B: the scales' bits (16: fp16 / bf16, 32: fp32); infBits: +inf's bits in that width.
     static uint32_t infBits(int32_t dtype)
     {
         return dtype == kiviCpuFloat32 ? 0x7F800000u : dtype == kiviCpuFloat16 ? 0x7C00u : 0x7F80u;
     }
+    // unsigned max of B-bit lanes, 512- or 128-bit vectors
+    template <int B, class V>
+    static V umax(V a, V b)
+    {
+        if constexpr (sizeof(V) == 64)
+            return B == 16 ? _mm512_max_epu16(a, b) : _mm512_max_epu32(a, b);
+        else
+            return B == 16 ? _mm_max_epu16(a, b) : _mm_max_epu32(a, b);
+    }
 
     // |key scale| maxima of ng consecutive key groups (D scales each from entry off): smax[d] = max |scale_d|; false
-    // if a scale is not finite. B: the scales' bits (16: fp16 / bf16, 32: fp32), one unsigned max per 512 / B.
+    // if a scale is not finite.
     template <int D, int B>
     static bool keyScaleMaxBits(const void* base, int64_t off, int ng, int32_t dtype, float* smax)
     {
         constexpr int L = 512 / B; // scales per vector
-        const auto umax = [](__m512i a, __m512i b) { return B == 16 ? _mm512_max_epu16(a, b) : _mm512_max_epu32(a, b); };
         const __m512i magnitude = B == 16 ? _mm512_set1_epi16(0x7FFF) : _mm512_set1_epi32(0x7FFFFFFF);
         const char* p = static_cast<const char*>(base) + off * (B / 8);
         __m512i m[D / L];
@@ -312,11 +320,12 @@ struct S
             m[n] = _mm512_setzero_si512();
         for (int gi = 0; gi < ng; ++gi)
             for (int n = 0; n < D / L; ++n)
-                m[n] = umax(m[n], _mm512_and_si512(_mm512_loadu_si512(p + (int64_t(gi) * D + L * n) * (B / 8)), magnitude));
+                m[n] = umax<B>(m[n], _mm512_and_si512(_mm512_loadu_si512(p + (int64_t(gi) * D + L * n) * (B / 8)),
+                    magnitude));
         __m512i all = m[0];
         for (int n = 0; n < D / L; ++n)
         {
-            all = umax(all, m[n]);
+            all = umax<B>(all, m[n]);
             if constexpr (B == 32)
                 _mm512_storeu_si512(smax + 16 * n, m[n]);
             else
@@ -452,62 +461,53 @@ struct S
         }
     }
 
-    // mx = the unsigned max of mx and the bit patterns of n (a multiple of 16) value scales from entry idx (lanes of
-    // 16 bits for fp16 / bf16, 32 for fp32; lane l holds entries l mod its lane count, so group l % ng, as entries are
-    // token-major and idx is a multiple of ng). Negative scales (sign bit set) also read above +inf: groupMaxBits
-    // refuses them with the non-finite ones (-0.0 too: the fp32 path, which is exact for it as well).
+    // mx = the unsigned max of mx and the bit patterns of n value scales from entry idx (lanes of 16 bits for fp16 /
+    // bf16, 32 for fp32; lane l holds entries l mod its lane count, so group l % ng, as entries are token-major and
+    // idx is a multiple of ng). n is a multiple of 64: a run is whole key groups (G >= 32 tokens, kSPLIT_LEN and the
+    // block size are multiples of G) and n = tokens D / Gv. Negative scales (sign bit set) also read above +inf:
+    // groupMaxBits refuses them with the non-finite ones (-0.0 too: the fp32 path, which is exact for it as well).
     using MX = __m512i;
     static MX maxBitsInit() { return _mm512_setzero_si512(); }
     static void maxBits(const void* base, int64_t idx, int n, int32_t dtype, MX& mx)
     {
         if (dtype == kiviCpuFloat32)
-        {
-            const int32_t* p = static_cast<const int32_t*>(base) + idx;
-            for (int e = 0; e < n; e += 16)
-                mx = _mm512_max_epu32(mx, _mm512_loadu_si512(p + e));
-            return;
-        }
-        const int16_t* p = static_cast<const int16_t*>(base) + idx;
-        int e = 0;
-        for (; e + 32 <= n; e += 32)
-            mx = _mm512_max_epu16(mx, _mm512_loadu_si512(p + e));
-        if (e < n) // 16 entries left: lanes 0..15 (e is a multiple of 32, so lane l is still entry l mod 32)
-            mx = _mm512_max_epu16(mx, _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + e))));
+            maxBitsOf<32>(base, idx, n, mx);
+        else
+            maxBitsOf<16>(base, idx, n, mx);
+    }
+    template <int B>
+    static void maxBitsOf(const void* base, int64_t idx, int n, MX& mx)
+    {
+        const char* p = static_cast<const char*>(base) + idx * (B / 8);
+        for (int e = 0; e < n; e += 512 / B)
+            mx = umax<B>(mx, _mm512_loadu_si512(p + e * (B / 8)));
     }
 
     // f[gi] = the largest scale of group gi (lanes l with l % ng == gi) from maxBits' mx; false if a scale was
     // negative, infinite or NaN.
     static bool groupMaxBits(MX mx, int ng, int32_t dtype, float* f)
     {
-        // fold to one 128-bit lane, then lanes 4 / 2 / 1 (16-bit) or 2 / 1 (32-bit) apart down to ng lanes
-        const __m256i lo = _mm512_castsi512_si256(mx), hi = _mm512_extracti64x4_epi64(mx, 1);
+        return dtype == kiviCpuFloat32 ? groupMaxBitsOf<32>(mx, ng, dtype, f) : groupMaxBitsOf<16>(mx, ng, dtype, f);
+    }
+    template <int B>
+    static bool groupMaxBitsOf(MX mx, int ng, int32_t dtype, float* f)
+    {
+        // fold to one 128-bit lane (128 / B lanes), then halve it down to ng lanes (ng in {1, 2, 4})
+        __m128i x = umax<B>(_mm512_castsi512_si128(mx), _mm512_extracti32x4_epi32(mx, 1));
+        x = umax<B>(x, umax<B>(_mm512_extracti32x4_epi32(mx, 2), _mm512_extracti32x4_epi32(mx, 3)));
+        if (ng < 128 / B)
+            x = umax<B>(x, _mm_bsrli_si128(x, 8));
+        if (ng < 64 / B)
+            x = umax<B>(x, _mm_bsrli_si128(x, 4));
+        if (B == 16 && ng == 1)
+            x = umax<B>(x, _mm_bsrli_si128(x, 2));
         alignas(16) uint32_t bits[4];
+        _mm_store_si128(reinterpret_cast<__m128i*>(bits), B == 16 ? _mm_cvtepu16_epi32(x) : x); // lanes 0..3
         uint32_t top = 0;
-        if (dtype == kiviCpuFloat32)
-        {
-            const __m256i y = _mm256_max_epu32(lo, hi);
-            __m128i x = _mm_max_epu32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
-            if (ng <= 2)
-                x = _mm_max_epu32(x, _mm_srli_si128(x, 8));
-            if (ng == 1)
-                x = _mm_max_epu32(x, _mm_srli_si128(x, 4));
-            _mm_store_si128(reinterpret_cast<__m128i*>(bits), x);
-        }
-        else
-        {
-            const __m256i y = _mm256_max_epu16(lo, hi);
-            __m128i x = _mm_max_epu16(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
-            x = _mm_max_epu16(x, _mm_srli_si128(x, 8)); // ng <= 4
-            if (ng <= 2)
-                x = _mm_max_epu16(x, _mm_srli_si128(x, 4));
-            if (ng == 1)
-                x = _mm_max_epu16(x, _mm_srli_si128(x, 2));
-            _mm_store_si128(reinterpret_cast<__m128i*>(bits), _mm_cvtepu16_epi32(x)); // lanes 0..3 as 32-bit
-        }
         for (int gi = 0; gi < ng; ++gi)
         {
             top = bits[gi] > top ? bits[gi] : top;
-            f[gi] = dtype == kiviCpuFloat32 ? bitsF32(bits[gi])
+            f[gi] = B == 32 ? bitsF32(bits[gi])
                 : dtype == kiviCpuFloat16 ? _cvtsh_ss(uint16_t(bits[gi])) : bitsF32(bits[gi] << 16);
         }
         return top < infBits(dtype);

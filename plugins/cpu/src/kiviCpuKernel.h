@@ -276,9 +276,9 @@ struct Attn
     }
 
     // fn(idx, n) over head g's value-scale entries of the quantized span [qa, qend), one run per block (n = tokens x
-    // D / Gv entries from store index idx); false as soon as fn is.
+    // D / Gv entries from store index idx).
     template <class Fn>
-    static bool allValueScaleRuns(const Ctx& c, const SeqPlan& sp, int g, int qa, int qend, Fn fn)
+    static void allValueScaleRuns(const Ctx& c, const SeqPlan& sp, int g, int qa, int qend, Fn fn)
     {
         const int ng = D / c.Gv;
         for (int t = qa; t < qend;)
@@ -286,11 +286,9 @@ struct Attn
             const int jq = t - sp.sink;
             const int t1 = imin(qend, t + (c.BS - jq % c.BS));
             const int32_t blk = c.blockTable[int64_t(sp.seq) * c.maxBlocks + jq / c.BS];
-            if (!fn(((int64_t(blk) * c.Hkv + g) * c.BS + jq % c.BS) * ng, (t1 - t) * ng))
-                return false;
+            fn(((int64_t(blk) * c.Hkv + g) * c.BS + jq % c.BS) * ng, (t1 - t) * ng);
             t = t1;
         }
-        return true;
     }
 
     // kDOT8 paths (S's integer dot products; X defers the lookup of S's members to instantiation, which only the
@@ -359,10 +357,8 @@ struct Attn
         const int ng = D / c.Gv;
         float f[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         typename X::MX mx = X::maxBitsInit(); // one vector over the runs, reduced once
-        allValueScaleRuns(c, sp, g, qa, qend, [&](int64_t idx, int n) {
-            X::maxBits(c.vScale, idx, n, c.scaleDtype, mx);
-            return true;
-        });
+        allValueScaleRuns(c, sp, g, qa, qend,
+            [&](int64_t idx, int n) { X::maxBits(c.vScale, idx, n, c.scaleDtype, mx); });
         if (!X::groupMaxBits(mx, ng, c.scaleDtype, f))
             return false;
         for (int gi = 0; gi < ng; ++gi)
