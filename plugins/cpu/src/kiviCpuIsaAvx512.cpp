@@ -520,14 +520,17 @@ struct S
     // (dwords), byte b = token 16 tile + 8 (b >> 1) + 2 tq + (b & 1). p: row 0's p of the block's first token (row
     // stride pStride). A NaN p (a NaN score) makes garbage digits, in its row only: that row's softmax sum is NaN,
     // so its output is NaN, as the reference's (until stop 38 a NaN sent the head's span to the fp32 path).
-    template <int NR, int NG>
+    // EXP: p holds the scores s and the softmax numerators are made here, p = exp(s - m[i]) (the bits softmaxRows
+    // would store), l[i] += their sum: the exp pass's store and reload of every p are saved.
+    template <int NR, int NG, bool EXP>
     static void valueCoefDigits(const void* vScale, const void* vZero, int64_t idx, int32_t dtype, int nt,
-        const float* p, int64_t pStride, const float* inv, float* zacc, int32_t* dig, int64_t digStride)
+        const float* p, int64_t pStride, const float* inv, float* zacc, int32_t* dig, int64_t digStride,
+        const float* m, float* l)
     {
         constexpr int SH = NG == 1 ? 0 : NG == 2 ? 1 : 2; // e / NG
         alignas(64) float il[16];
-        for (int l = 0; l < 16; ++l)
-            il[l] = inv[l & (NG - 1)];
+        for (int k = 0; k < 16; ++k)
+            il[k] = inv[k & (NG - 1)];
         const __m512 iv = _mm512_load_ps(il);
         __m512 z[NR];
         for (int i = 0; i < NR; ++i)
@@ -539,8 +542,25 @@ struct S
         // the sum below 2^24) and rounds half to even like vcvtps2dq (0x808080 is even)
         const __m512 biasF = _mm512_set1_ps(float(0x808080));
         const __m512i bias = _mm512_set1_epi32(0x808080);
+        __m512 ms[NR], ls[NR];
+        for (int i = 0; i < NR; ++i)
+        {
+            ms[i] = _mm512_set1_ps(EXP ? m[i] : 0.0f);
+            ls[i] = _mm512_setzero_ps();
+        }
+        __m512i sidx[NG]; // EXP: the tile's p to the lanes of entry vector v (lane l: token 16 v / NG + l / NG)
+        for (int v = 0; v < NG; ++v)
+            sidx[v] = _mm512_add_epi32(_mm512_set1_epi32(16 / NG * v),
+                _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), SH));
         for (int tile = 0; tile < nt; ++tile)
         {
+            __m512 pt[NR];
+            if constexpr (EXP)
+                for (int i = 0; i < NR; ++i)
+                {
+                    pt[i] = exp(_mm512_sub_ps(_mm512_loadu_ps(p + i * pStride + 16 * tile), ms[i]));
+                    ls[i] = _mm512_add_ps(ls[i], pt[i]);
+                }
             __m512i w[NR][NG];
             for (int v = 0; v < NG; ++v)
             {
@@ -549,7 +569,9 @@ struct S
                 const __m512 zr = loadAct(vZero, idx + e, dtype);
                 for (int i = 0; i < NR; ++i)
                 {
-                    const __m512 pv = spread(p + i * pStride + (e >> SH), NG);
+                    const __m512 pv = !EXP ? spread(p + i * pStride + (e >> SH), NG)
+                        : NG == 1          ? pt[i]
+                                           : _mm512_permutexvar_ps(sidx[v], pt[i]);
                     w[i][v] = _mm512_xor_si512(_mm512_cvtps_epi32(_mm512_fmadd_ps(pv, sc, biasF)), bias);
                     z[i] = _mm512_fmadd_ps(pv, zr, z[i]);
                 }
@@ -574,8 +596,10 @@ struct S
         {
             alignas(64) float zl[16];
             _mm512_store_ps(zl, z[i]);
-            for (int l = 0; l < 16; ++l) // lane l holds group l % NG
-                zacc[i * 8 + (l & (NG - 1))] += zl[l];
+            for (int k = 0; k < 16; ++k) // lane k holds group k % NG
+                zacc[i * 8 + (k & (NG - 1))] += zl[k];
+            if constexpr (EXP)
+                l[i] += hsum(ls[i]);
         }
     }
 

@@ -106,6 +106,8 @@ struct Attn
         float* kqi;    // [rows, D] qf * 2^22 / F for the current block's key digits (S::keyBlockScale; kDOT8 only)
         float* qmax;   // [rows] max_d |qf|, NaN if a q is not finite (loadQ; kDOT8 only)
         bool kdot8;    // the current block's 2-bit keys take the integer dot products (keyDigitScales)
+        bool vdot8;    // the split's 2-bit values take the integer dot products (valueDigitScales)
+        bool vexp;     // vdot8, and the quantized span's p are made with the digits (softmaxRows, valueCoefDigits)
     };
 
     static Scratch carve(float* base, int rows)
@@ -131,6 +133,8 @@ struct Attn
         s.kqi = s.vfix + 8;
         s.qmax = s.kqi + rows * D;
         s.kdot8 = false;
+        s.vdot8 = false;
+        s.vexp = false;
         return s;
     }
 
@@ -401,7 +405,8 @@ struct Attn
     }
 
     // The value digits (and zacc) of rows r0 .. r0 + nr of tiles [t0, t1) (one block from store entry idx;
-    // valuesStage): S::valueCoefDigits.
+    // valuesStage): S::valueCoefDigits. s.vexp: p holds the scores, the rows' p and their sum (into part's l) are
+    // made there.
     template <class X = S>
     static void valueCoefDigitRows(const Ctx& c, int64_t idx, int nr, int ng, int qa, int t0, int t1, const float* p,
         int r0, Scratch& s)
@@ -409,10 +414,17 @@ struct Attn
         int32_t* dig = s.vdig + int64_t(r0) * kDOT8_VALUE_DWORDS + (t0 - qa) / 16 * 16;
         float* zacc = s.zacc + r0 * 8;
         const int nt = (t1 - t0) / 16;
-#define KIVI_VCD(NR, NG)                                                                                              \
-    X::template valueCoefDigits<NR, NG>(c.vScale, c.vZero, idx, c.scaleDtype, nt, p, scoreStride(), s.vfix + 4,     \
-        zacc, dig, kDOT8_VALUE_DWORDS)
-#define KIVI_VCD_NG(NR) (ng == 1 ? KIVI_VCD(NR, 1) : ng == 2 ? KIVI_VCD(NR, 2) : KIVI_VCD(NR, 4))
+        float m[RB], l[RB];
+        for (int i = 0; i < nr; ++i)
+        {
+            m[i] = s.part[(r0 + i) * (D + 2)];
+            l[i] = 0.0f;
+        }
+#define KIVI_VCD(NR, NG, EXP)                                                                                         \
+    X::template valueCoefDigits<NR, NG, EXP>(c.vScale, c.vZero, idx, c.scaleDtype, nt, p, scoreStride(),             \
+        s.vfix + 4, zacc, dig, kDOT8_VALUE_DWORDS, m, l)
+#define KIVI_VCD_E(NR, NG) (s.vexp ? KIVI_VCD(NR, NG, true) : KIVI_VCD(NR, NG, false))
+#define KIVI_VCD_NG(NR) (ng == 1 ? KIVI_VCD_E(NR, 1) : ng == 2 ? KIVI_VCD_E(NR, 2) : KIVI_VCD_E(NR, 4))
         switch (nr)
         {
         case 1: KIVI_VCD_NG(1); break;
@@ -421,7 +433,11 @@ struct Attn
         default: KIVI_VCD_NG(4); break;
         }
 #undef KIVI_VCD_NG
+#undef KIVI_VCD_E
 #undef KIVI_VCD
+        if (s.vexp)
+            for (int i = 0; i < nr; ++i)
+                s.part[(r0 + i) * (D + 2) + 1] += l[i];
     }
 
     // Scores of per-channel quantized keys [t0, t0 + G) (positions; one group at row r of physical block blk) for
@@ -923,12 +939,10 @@ struct Attn
         s.vdig = buf.vdig;
         s.coef = buf.coef;
         auto blockEnd = [&](int t) { return imin(qend, t + (c.BS - (t - sp.sink) % c.BS)); };
-        // integer dot products for 2-bit values (S::kDOT8) unless the scales or p do not allow them; the subnormal
-        // decode (S::kDENORMAL2) for 2-bit values unless a coefficient is not finite
-        bool dot8 = false;
-        if constexpr (S::kDOT8)
-            if (c.vBits == 2)
-                dot8 = valueDigitScales(c, sp, g, qa, qend, s);
+        // integer dot products for 2-bit values (S::kDOT8) unless the scales do not allow them (decided in
+        // splitPartial, before the softmax); the subnormal decode (S::kDENORMAL2) for 2-bit values unless a
+        // coefficient is not finite
+        const bool dot8 = s.vdot8;
         bool dn = S::kDENORMAL2 && c.vBits == 2, dnOk = true;
         for (int t = qa; t < qend; t = blockEnd(t))
             switch (c.vBits)
@@ -1046,7 +1060,15 @@ struct Attn
             forFullRows(c, sp, g, a, b, true, [&](const void* base, int32_t dtype, auto rowOff, int t0, int t1) {
                 scoresFull(base, dtype, rowOff, rows, t0, t1, a, s);
             });
-            softmaxRows(c, sp, pos0, rows, a, b, s);
+            // 2-bit values' integer dot products (S::kDOT8) unless the scales do not allow them; then the quantized
+            // span's exp is made with the digits (valueCoefDigits) where the span starts on a vector of the scores
+            // (always but in split 0 with a sink count that is not a multiple of W)
+            s.vdot8 = false;
+            if constexpr (S::kDOT8)
+                if (c.vBits == 2 && qa < qend)
+                    s.vdot8 = valueDigitScales(c, sp, g, qa, qend, s);
+            s.vexp = s.vdot8 && (qa - a) % W == 0;
+            softmaxRows(c, sp, pos0, rows, a, b, s.vexp ? qa - a : 0, s.vexp ? qend - a : 0, s);
             for (int row = 0; row < rows; ++row) // vector stores: a scalar loop becomes rep stos, slow to start
             {
                 for (int n = 0; n < NV; ++n)
@@ -1135,8 +1157,12 @@ struct Attn
         }
     }
 
-    // 2. softmax numerators per row over its causal range [a, min(b, pos + 1)); p = 0 elsewhere; (m, l) into s.part
-    static void softmaxRows(const Ctx& c, const SeqPlan& sp, int pos0, int rows, int a, int b, Scratch& s)
+    // 2. softmax numerators per row over its causal range [a, min(b, pos + 1)); p = 0 elsewhere; (m, l) into s.part.
+    // Scores [sa, se) (relative to a, multiples of W; the quantized span when s.vexp) count in m but keep their
+    // values: their p are made with the value digits, which add their sum to l (valueCoefDigitRows). Quantized keys
+    // precede every row's position, so those rows are never masked.
+    static void softmaxRows(const Ctx& c, const SeqPlan& sp, int pos0, int rows, int a, int b, int sa, int se,
+        Scratch& s)
     {
         const int span = b - a;
         const int spanPad = (span + W - 1) / W * W;
@@ -1169,21 +1195,30 @@ struct Attn
             const float m = S::hmax(S::max(mv, mv2));
             const typename S::F msub = S::set1(m);
             typename S::F lv = S::zero(), lv2 = S::zero();
-            for (t = 0; t + 2 * W <= spanPad; t += 2 * W)
+            auto expRange = [&](int t0, int t1) {
+                for (t = t0; t + 2 * W <= t1; t += 2 * W)
+                {
+                    const typename S::F p = S::exp(S::sub(S::load(sc + t), msub));
+                    const typename S::F p2 = S::exp(S::sub(S::load(sc + t + W), msub));
+                    S::store(sc + t, p);
+                    S::store(sc + t + W, p2);
+                    lv = S::add(lv, p);
+                    lv2 = S::add(lv2, p2);
+                }
+                if (t < t1)
+                {
+                    const typename S::F p = S::exp(S::sub(S::load(sc + t), msub));
+                    S::store(sc + t, p);
+                    lv = S::add(lv, p);
+                }
+            };
+            if (sa < se)
             {
-                const typename S::F p = S::exp(S::sub(S::load(sc + t), msub));
-                const typename S::F p2 = S::exp(S::sub(S::load(sc + t + W), msub));
-                S::store(sc + t, p);
-                S::store(sc + t + W, p2);
-                lv = S::add(lv, p);
-                lv2 = S::add(lv2, p2);
+                expRange(0, sa);
+                expRange(se, spanPad);
             }
-            if (t < spanPad)
-            {
-                const typename S::F p = S::exp(S::sub(S::load(sc + t), msub));
-                S::store(sc + t, p);
-                lv = S::add(lv, p);
-            }
+            else
+                expRange(0, spanPad);
             part[0] = m;
             part[1] = S::hsum(S::add(lv, lv2));
         }
