@@ -89,7 +89,7 @@ struct Attn
         float* qf;     // [rows, D] q * 1/sqrt(D)
         float* qs;     // [rows, D] qf * per-channel key scale of the current group
         float* cz;     // [rows]    sum_d qf * key zero
-        float* scores; // [rows, kSCORE_STRIDE] scores, then p
+        float* scores; // [rows, kSCORE_STRIDE] scores, then p (softmaxRows; with vexp the quantized span keeps its scores)
         float* acc;    // [rows, D]
         float* zacc;   // [rows, 8] per value group: sum_t p_t * zero
         float* coef;   // [rows, ng kSCORE_STRIDE] p_t * value scale, entry (t - qa) ng + gi (token-major, as stored)
