@@ -118,7 +118,7 @@ BITS, GROUP, RESIDUAL = 2, 32, 128
 # ------------------------------------------------------------------------------------------------ launch plan
 # Mirror of kiviLaunchPlan (plugins/kernels/src/kiviParams.cpp) for a decode step (chunk_len 1 per sequence) and of
 # the prepare kernel's per-sequence split length (kiviLaunch.cu). tests/test_kernel_model.py checks it against
-# trtllm_kivi/cuda/model.py launch_plan, which tests/test_kernels_host.py checks against the C++.
+# trtllm_kivi/cuda/launch.py launch_plan, which tests/test_kernels_host.py checks against the C++.
 MAX_TILE_ROWS, MIN_SPLIT_LEN, CTAS_PER_SM = 16, 256, 4
 
 

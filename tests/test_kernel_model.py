@@ -1,7 +1,7 @@
 """benchmarks/kernel_model.py, the static performance model of the decode kernels (CPU only).
 
 Oracles: the bank model on patterns whose wavefront counts follow from 32 banks x 4 bytes; the occupancy arithmetic of
-the CUDA occupancy rules worked by hand; the launch plan against trtllm_kivi/cuda/model.py (itself tested against the
+the CUDA occupancy rules worked by hand; the launch plan against trtllm_kivi/cuda/launch.py (itself tested against the
 C++ kiviLaunchPlan in test_kernels_host.py) and issue 12's numbers (9 splits, 576 CTAs, 528 slots, 1.09 waves); the
 SASS walker on a tiny nvcc-compiled kernel whose executed counts are known from its source; the calibration against
 issue 12's hand count of today's kernels (within 20%); determinism of two runs. The compile-based tests skip with the
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from trtllm_kivi.cuda import model as cpu_model
+from trtllm_kivi.cuda import launch as cpu_model
 from trtllm_kivi.format import KiviConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -337,7 +337,7 @@ def test_legacy_kernels_are_refused(lib):
 def test_occupancy_query_and_whole_waves(lib):
     """kiviCAttentionCtasPerSm reports >= 1 resident CTA per SM for every bit combination; the decode plan at
     Llama-3-8B shapes then fills one wave (tiles x KV heads x splits <= SMs x CTAs/SM)."""
-    from trtllm_kivi.cuda import model
+    from trtllm_kivi.cuda import launch
     from trtllm_kivi.cuda.ops import make_params
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for kb in (2, 4, 8):
@@ -349,7 +349,7 @@ def test_occupancy_query_and_whole_waves(lib):
             p = make_params(x, x[:, :8], x[:, :8], x, i, i, i, torch.zeros(8, 300, dtype=torch.int32), buf, cfg)
             cps = lib.attention_ctas_per_sm(p)
             assert cps >= 1, (kb, vb, cps)
-            plan = model.launch_plan(cfg, 32, 8, 128, 8, 8, 300, 1, 32768, sms, cps)
+            plan = launch.launch_plan(cfg, 32, 8, 128, 8, 8, 300, 1, 32768, sms, cps)
             assert plan.num_tiles * 8 * plan.num_splits <= sms * cps
 
 

@@ -2,7 +2,7 @@
 
 The host-only part of the library (plugins/kernels/src/kiviParams.cpp + kiviCApiHost.cpp: plain C++) is compiled
 here with g++ -Werror and loaded with ctypes; oracles: the messages the issue requires (each names the bad value),
-format.FORMAT_VERSION, and the Python model of the plan (trtllm_kivi/cuda/model.py) checked for the bounds the
+format.FORMAT_VERSION, and the Python model of the plan (trtllm_kivi/cuda/launch.py) checked for the bounds the
 kernels rely on.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from trtllm_kivi.cuda import _abi, model
+from trtllm_kivi.cuda import _abi, launch
 from trtllm_kivi.format import FORMAT_VERSION, KiviConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,7 +139,7 @@ def _random_case(rng: random.Random):
 
 
 def test_launch_plan_matches_the_model_and_bounds_the_work(host_lib):
-    """Oracle: the C++ plan equals model.launch_plan field for field, and the bounds the kernels rely on hold:
+    """Oracle: the C++ plan equals launch.launch_plan field for field, and the bounds the kernels rely on hold:
     numTiles >= sum ceil(c / tileTokens), splits cover max_seq_len, flushGroupsPerSeq >= groups any chunk flushes."""
     rng = random.Random(0)
     for _ in range(300):
@@ -154,7 +154,7 @@ def test_launch_plan_matches_the_model_and_bounds_the_work(host_lib):
         p = make(cfg, h=hkv * grp, hkv=hkv, d=rng.choice((64, 128)), batch=batch, tokens=tokens,
                  maxBlocksPerSeq=mbs, maxSeqLen=max_seq, numSms=sms, ctasPerSm=cps)
         got = host_lib.launch_plan(p)
-        want = model.launch_plan(cfg, hkv * grp, hkv, p.headDim, batch, tokens, mbs, 0, max_seq, sms, cps)
+        want = launch.launch_plan(cfg, hkv * grp, hkv, p.headDim, batch, tokens, mbs, 0, max_seq, sms, cps)
         assert got == want.__dict__, (got, want)
         # every sequence runs in exactly one kernel, and each kernel's grid covers its sequences' tiles
         pf = [c for c in chunks if want.is_prefill(c)]
@@ -268,7 +268,7 @@ def test_built_cuda_library_exports_the_same_abi():
     assert lib.has_launchers and lib.format_version() == FORMAT_VERSION
     assert "head_dim=80" in lib.validate(make(headDim=80))
     p = make(batch=3, tokens=40)
-    assert lib.launch_plan(p) == model.launch_plan(KiviConfig(), 32, 8, 128, 3, 40, 64).__dict__
+    assert lib.launch_plan(p) == launch.launch_plan(KiviConfig(), 32, 8, 128, 3, 40, 64).__dict__
 
 
 def test_strided_qkv_are_refused_without_the_full_check(host_lib):

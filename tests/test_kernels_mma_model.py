@@ -1,7 +1,7 @@
 """The lane-level emulation of the default decode kernel (trtllm_kivi/cuda/mma_model.py) against the reference.
 
 Oracles: trtllm_kivi.reference (pack_fragments / quantize, kivi_attention_, append) and the PTX ISA's mma.m16n8k16
-fragment layouts (written out in mma_model.a_coord / b_coord / c_coord).
+fragment layouts (written out in fragments.a_coord / b_coord / c_coord).
   - fragments: the registers a lane builds from its words (one shift + one lop3 each), placed by the PTX A layout,
     are exactly the reference's codes of the K tile (rows = keys, pairs along channels) and of the V^T tile (rows =
     channels, pairs along tokens) -- for every bit width, both MMA types, head_dim 64 and 128;
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from trtllm_kivi.cuda import mma_model, model
+from trtllm_kivi.cuda import fragments, mma_model, model
 from trtllm_kivi.format import KiviConfig, fragment_words_per_lane
 from trtllm_kivi.reference import KiviBuffers, kivi_attention_, pack_fragments
 
@@ -31,10 +31,10 @@ def test_fragments_hold_the_reference_codes(act, bits, d):
     gen = torch.Generator().manual_seed(bits + d)
     codes = torch.randint(0, 2 ** bits, (16, d), generator=gen).int()
     codes[0, :] = 2 ** bits - 1  # all-ones words (negative int32)
-    alpha, beta = mma_model.code_affine(act, bits)
+    alpha, beta = fragments.code_affine(act, bits)
     for kind in ("keys", "values"):
         words = pack_fragments(codes, bits, kind).numpy().view(np.uint32).reshape(32, fragment_words_per_lane(d, bits))
-        a = mma_model.assemble_a(mma_model.unpack_tile(words, bits, d, act))  # [D/16, 16, 16]
+        a = fragments.assemble_a(fragments.unpack_tile(words, bits, d, act))  # [D/16, 16, 16]
         got = (a.astype(np.float64) - alpha) / beta  # exact: alpha + beta c is exact in act
         for blk in range(d // 16):
             want = codes[:, 16 * blk:16 * blk + 16] if kind == "keys" else codes[:, 16 * blk:16 * blk + 16].T
@@ -43,9 +43,9 @@ def test_fragments_hold_the_reference_codes(act, bits, d):
 
 def test_movmatrix_moves_p_into_the_b_fragment():
     p = np.random.default_rng(0).random((16, 8)).astype(np.float32)
-    assert np.array_equal(mma_model.p_to_b_fragment(p), p)
+    assert np.array_equal(fragments.p_to_b_fragment(p), p)
     x = np.arange(64, dtype=np.float32).reshape(32, 2)  # lane L holds M[L//4][2(L%4)+i] = 8 row + col
-    y = mma_model.movmatrix_trans(x)
+    y = fragments.movmatrix_trans(x)
     m = x.reshape(8, 8)
     assert np.array_equal(y.reshape(8, 8), m.T)
 
@@ -127,13 +127,13 @@ def test_emulation_long_history_splits_and_warps():
 
 def test_tolerance_catches_a_wrong_fragment(monkeypatch):
     """Swap two K channels in the register assignment: the emulation leaves the derived tolerance."""
-    real = mma_model.register_of
+    real = fragments.register_of
 
     def swapped(j, pos, bits):
         blk, reg = real(j, pos, bits)
         return blk, {0: 2, 2: 0}.get(reg, reg)  # channel 2t <-> 2t + 8
 
     cfg = KiviConfig(k_bits=4, v_bits=4, group_size=32, residual_length=32, block_size=128)
-    monkeypatch.setattr(mma_model, "register_of", swapped)
+    monkeypatch.setattr(fragments, "register_of", swapped)
     with pytest.raises(AssertionError, match="max err/tol"):
         run_steps(cfg, 4, 1, 64, torch.float16, [[1]], history=[200], num_blocks=4, mbs=2)

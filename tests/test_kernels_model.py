@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trtllm_kivi.cuda import mma_model, model
+from trtllm_kivi.cuda import launch, mma_model, model
 from trtllm_kivi.cuda._abi import ERR_BLOCK_ID, ERR_CAPACITY, ERR_LENGTH, ERR_SLOT
 from trtllm_kivi.format import KiviConfig
 from trtllm_kivi.reference import KiviBuffers, kivi_attention_
@@ -95,7 +95,7 @@ def test_model_plan_fills_one_wave():
     9 splits -> 576 CTAs for 528 slots was 1.09 waves)."""
     cfg = KiviConfig()
     for batch in (1, 8, 32):
-        plan = model.launch_plan(cfg, 32, 8, 128, batch, batch, 300, max_chunk_len=1, max_seq_len=32768,
+        plan = launch.launch_plan(cfg, 32, 8, 128, batch, batch, 300, max_chunk_len=1, max_seq_len=32768,
                                  num_sms=132, ctas_per_sm=4)
         ctas = plan.num_tiles * 8 * plan.num_splits
         assert plan.num_tiles == batch

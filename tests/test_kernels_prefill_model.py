@@ -1,7 +1,7 @@
 """The CPU emulation of the prefill attention kernel (trtllm_kivi/cuda/prefill_model.py, kiviPrefillMma.cuh).
 
 Oracles: trtllm_kivi.reference (pack_fragments, kivi_attention_, append) and the PTX ISA's A fragment layout
-(mma_model.a_coord).
+(fragments.a_coord).
   - the scatter: the kernel's index arithmetic from a FRAGMENT-order word (tile, lane, word, bit position) to a
     (key, channel) element puts every reference code of a 32-key chunk exactly once where it belongs, K and V, every
     bit width and head_dim;
@@ -19,7 +19,7 @@ import pytest
 import torch
 from test_kernels_mma_model import run_steps
 
-from trtllm_kivi.cuda import model, prefill_model
+from trtllm_kivi.cuda import launch, prefill_model
 from trtllm_kivi.format import KiviConfig
 from trtllm_kivi.reference import pack_fragments
 
@@ -71,9 +71,9 @@ def test_prefill_steps_match_reference(monkeypatch, kb, vb, g, d, h, hkv, dtype,
 def test_decode_steps_never_plan_the_prefill_kernel():
     """max_chunk_len = 1 (what a decode step's caller knows): no prefill grid, the decode plan is unchanged."""
     cfg = KiviConfig()
-    plan = model.launch_plan(cfg, 32, 8, 128, 64, 64, 256, max_chunk_len=1)
+    plan = launch.launch_plan(cfg, 32, 8, 128, 64, 64, 256, max_chunk_len=1)
     assert plan.num_prefill_tiles == 0 and not plan.is_prefill(1)
-    unhinted = model.launch_plan(cfg, 32, 8, 128, 64, 64, 256)  # the plugin's case: any chunk up to T
+    unhinted = launch.launch_plan(cfg, 32, 8, 128, 64, 64, 256)  # the plugin's case: any chunk up to T
     assert unhinted.num_prefill_tiles > 0 and unhinted.is_prefill(16) and not unhinted.is_prefill(15)
 
 

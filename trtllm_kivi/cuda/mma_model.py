@@ -1,6 +1,7 @@
 """Lane-level CPU emulation of the default decode attention kernel (plugins/kernels/include/kiviDecodeMma.cuh).
 
-What it reproduces, in numpy, with the kernel's arithmetic:
+What it reproduces, in numpy, with the kernel's arithmetic (the fragment layouts, the bit conversion and the MMA
+model shared with the prefill emulation live in fragments.py):
   - fragments: which lane and register hold which (token, channel) codes after the unpack of a FRAGMENT-order tile
     (trtllm_kivi/format.py), assembled into matrices with the PTX ISA's mma.m16n8k16 A/B/C layouts (g = lane >> 2,
     t = lane & 3; A: row g + 8 (r & 1), col 2t + 8 (r >> 1) + {0,1}; B: k 2t + 8 r + {0,1}, n g; C: row g + 8 (r >> 1),
@@ -31,161 +32,20 @@ import math
 import numpy as np
 import torch
 
-from ..format import ONE_BF16, ONE_FP16, KiviConfig, fragment_words_per_lane
+from ..format import KiviConfig, fragment_words_per_lane
 from ..reference.attention import KiviBuffers
-from .model import LaunchPlan, _round_to, launch_plan, prepare
+from ..reference.kv import dequantize_keys, dequantize_values
+from . import prefill_model
+from .fragments import (LOG2E, MANTISSA, CtaInputs, assemble_a, code_affine, exp2, f32, mma, p_to_b_fragment,
+                        round_to, unpack_tile)
+from .launch import LaunchPlan, launch_plan, prepare
 
 WARPS = 4
 CHUNK = 32  # keys per warp iteration: two 16-key MMA tiles
 TILE = 16
 N = 8  # query rows per CTA (the MMA's N)
-LOG2E = 1.4426950408889634
 LN2 = np.float32(0.6931471805599453)
-ONE_BITS = {torch.float16: ONE_FP16, torch.bfloat16: ONE_BF16}
-MANTISSA = {torch.float16: 10, torch.bfloat16: 7}
 UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
-
-
-# ---------------------------------------------------------------------------------------------- fragments (PTX ISA)
-
-
-def _lanes() -> tuple[np.ndarray, np.ndarray]:
-    lane = np.arange(32)
-    return lane >> 2, lane & 3
-
-
-def a_coord(lane: np.ndarray, reg: int, half: int) -> tuple[np.ndarray, np.ndarray]:
-    """(row, col) of element `half` of A register `reg` (m16n8k16, .f16/.bf16, row-major A)."""
-    g, t = lane >> 2, lane & 3
-    return g + 8 * (reg & 1), 2 * t + half + 8 * (reg >> 1)
-
-
-def b_coord(lane: np.ndarray, reg: int, half: int) -> tuple[np.ndarray, np.ndarray]:
-    """(k, n) of element `half` of B register `reg` (col-major B)."""
-    g, t = lane >> 2, lane & 3
-    return 2 * t + half + 8 * reg, g
-
-
-def c_coord(lane: np.ndarray, reg: int) -> tuple[np.ndarray, np.ndarray]:
-    """(row, col) of fp32 accumulator register `reg`."""
-    g, t = lane >> 2, lane & 3
-    return g + 8 * (reg >> 1), 2 * t + (reg & 1)
-
-
-def register_of(j: int, pos: int, bits: int) -> tuple[int, int]:
-    """The kernel's register assignment: word j, bit position pos -> (16-wide block, A register)."""
-    pi = j * (16 // bits) + pos
-    return pi // 4, pi % 4
-
-
-def movmatrix_trans(x: np.ndarray) -> np.ndarray:
-    """movmatrix.sync.aligned.m8n8.trans.b16: x [32 lanes, 2] holds M[lane // 4][2 (lane % 4) + i]; returns the
-    same layout of M^T (lane L gets M[2 (L % 4) + i][L // 4])."""
-    lane = np.arange(32)
-    out = np.empty_like(x)
-    for i in range(2):
-        src_row, src_col = 2 * (lane % 4) + i, lane // 4
-        out[:, i] = x[src_row * 4 + src_col // 2, src_col % 2]
-    return out
-
-
-# ---------------------------------------------------------------------------------------------- bit conversion
-
-
-def _bits_to_float(h: np.ndarray, act: torch.dtype) -> np.ndarray:
-    """16-bit patterns (uint32 holding them) -> float32 values of `act`."""
-    if act == torch.float16:
-        return h.astype(np.uint16).view(np.float16).astype(np.float32)
-    return (h.astype(np.uint32) << np.uint32(16)).view(np.float32)  # bf16 = the top half of an fp32
-
-
-def code_affine(act: torch.dtype, bits: int) -> tuple[float, float]:
-    """(alpha, beta): a converted register element is alpha + beta * code, exactly."""
-    if act == torch.bfloat16 and bits == 8:
-        return 0.0, 1.0
-    return 1.0, 2.0 ** -bits
-
-
-def convert_register(words: np.ndarray, pos: int, bits: int, act: torch.dtype) -> np.ndarray:
-    """The register of bit position `pos`: words uint32 [...] -> float32 [..., 2] (low half, high half).
-
-    fp16 / bf16 (b < 8): shift the word so that the codes at bits [p b, (p+1) b) of each half land on mantissa bits
-    [m - b, m) (m = 10 or 7), then lop3: (x & mask) | ONE ONE, i.e. exactly 1 + c 2^-b per half."""
-    w = words.astype(np.uint64)
-    alpha, _ = code_affine(act, bits)
-    if alpha == 0.0:  # bf16, 8-bit codes: cvt through fp32 (exact: c < 256 has 8 significant bits)
-        lo = (w >> np.uint64(pos * bits)) & np.uint64(0xFF)
-        hi = (w >> np.uint64(16 + pos * bits)) & np.uint64(0xFF)
-        return np.stack([lo, hi], axis=-1).astype(np.float32)
-    m = MANTISSA[act]
-    shift = (m - bits) - pos * bits  # left when positive
-    x = (w << np.uint64(shift)) if shift >= 0 else (w >> np.uint64(-shift))
-    x &= np.uint64(0xFFFFFFFF)
-    mask = (((1 << bits) - 1) << (m - bits)) * 0x00010001
-    one = ONE_BITS[act] * 0x00010001
-    r = (x & np.uint64(mask)) | np.uint64(one)
-    return np.stack([_bits_to_float(r & np.uint64(0xFFFF), act), _bits_to_float(r >> np.uint64(16), act)], axis=-1)
-
-
-def unpack_tile(words: np.ndarray, bits: int, head_dim: int, act: torch.dtype) -> np.ndarray:
-    """One FRAGMENT-order tile: words uint32 [32 lanes, nw] -> registers [D / 16, 32, 4, 2] (float32 values)."""
-    nw = fragment_words_per_lane(head_dim, bits)
-    regs = np.zeros((head_dim // 16, 32, 4, 2), np.float32)
-    for j in range(nw):
-        for pos in range(16 // bits):
-            blk, reg = register_of(j, pos, bits)
-            regs[blk, :, reg] = convert_register(words[:, j], pos, bits, act)
-    return regs
-
-
-def assemble_a(regs: np.ndarray) -> np.ndarray:
-    """registers [blocks, 32, 4, 2] -> the A matrices [blocks, 16, 16] they are (PTX A layout)."""
-    lane = np.arange(32)
-    a = np.zeros((regs.shape[0], 16, 16), np.float32)
-    for reg in range(4):
-        for half in range(2):
-            row, col = a_coord(lane, reg, half)
-            a[:, row, col] = regs[:, :, reg, half]
-    return a
-
-
-def p_to_b_fragment(p16: np.ndarray) -> np.ndarray:
-    """P [16 keys, 8 heads] already rounded to the MMA type, as the kernel moves it: C-fragment registers
-    (c0, c1 = keys g, heads 2t, 2t+1; c2, c3 = keys g + 8) packed to two b16x2 registers, movmatrix.trans each,
-    giving B registers b0 (keys 2t, 2t+1; head g) and b1 (keys 8 + 2t, +1) -> the B matrix [16 keys, 8 heads]."""
-    lane = np.arange(32)
-    c = np.zeros((32, 4), np.float32)
-    for reg in range(4):
-        row, col = c_coord(lane, reg)
-        c[:, reg] = p16[row, col]
-    b_regs = [movmatrix_trans(c[:, 0:2]), movmatrix_trans(c[:, 2:4])]
-    b = np.zeros((16, 8), np.float32)
-    for reg in range(2):
-        for half in range(2):
-            k, n = b_coord(lane, reg, half)
-            b[k, n] = b_regs[reg][:, half]
-    return b
-
-
-def _mma(c: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """D = A B + C: exact products, float64 sum, one rounding to fp32 (a model of the tensor core)."""
-    return (c.astype(np.float64) + a.astype(np.float64) @ b.astype(np.float64)).astype(np.float32)
-
-
-def _f32(x) -> np.ndarray:
-    return np.asarray(x, dtype=np.float32)
-
-
-def _fma(a, b, c) -> np.ndarray:
-    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(np.float32)
-
-
-def _tree_sum(x: np.ndarray, axis: int) -> np.ndarray:
-    """Butterfly (xor-shuffle) sum of fp32 values along `axis` (length a power of 2), in the kernel's order."""
-    x = np.moveaxis(_f32(x), axis, 0)
-    while x.shape[0] > 1:  # xor 1 first: ((x0 + x1) + (x2 + x3)) + ...
-        x = _f32(x[0::2] + x[1::2])
-    return x[0]
 
 
 # ---------------------------------------------------------------------------------------------- one warp
@@ -203,26 +63,11 @@ class _Warp:
     def finish(self, gv: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """End of the key loop: l is row `groups` of vb, the V bias of group (16 mt + g) / Gv is added to O."""
         lsum = self.vb[self.n_vgroups].copy()
-        o = _f32(self.o + np.repeat(self.vb[:self.n_vgroups], gv, axis=0))
+        o = f32(self.o + np.repeat(self.vb[:self.n_vgroups], gv, axis=0))
         return self.m, lsum, o
 
 
-class _Ctx:
-    """Everything one CTA reads: buffers, config, the sequence's rows."""
-
-    def __init__(self, buffers: KiviBuffers, cfg: KiviConfig, act: torch.dtype, d: int) -> None:
-        self.buf, self.cfg, self.act, self.d = buffers, cfg, act, d
-        self.gv = cfg.value_group_size(d)
-        self.k_words = buffers.k_codes.numpy().view(np.uint32).reshape(buffers.k_codes.shape[0],
-                                                                      buffers.k_codes.shape[1], -1)
-        self.v_words = buffers.v_codes.numpy().view(np.uint32).reshape(buffers.v_codes.shape[0],
-                                                                      buffers.v_codes.shape[1], -1)
-        self.ks, self.kz = buffers.k_scale.float().numpy(), buffers.k_zero.float().numpy()
-        self.vs, self.vz = buffers.v_scale.float().numpy(), buffers.v_zero.float().numpy()
-        self.kwin, self.vwin = buffers.k_window.float().numpy(), buffers.v_window.float().numpy()
-
-
-def _quantized_tiles(ctx: _Ctx, kind: str, blk: int, h: int, r: int) -> np.ndarray:
+def _quantized_tiles(ctx: CtaInputs, kind: str, blk: int, h: int, r: int) -> np.ndarray:
     """The two 16-token tiles of the chunk at block row r (a multiple of 32) -> A matrices [2, D/16, 16, 16] of the
     converted registers (keys: [key, channel]; values: V^T [channel, key])."""
     bits = ctx.cfg.k_bits if kind == "keys" else ctx.cfg.v_bits
@@ -241,7 +86,7 @@ def _key_fold(qa: np.ndarray, sk: np.ndarray, zk: np.ndarray, act: torch.dtype, 
     bias = beta (Cl + Ch), C = Z - A: two m16n8k8 chains over the low / high 8 channels of every 16-channel block,
     each MMA one fp32 rounding: Z accumulates qa . z, A (if alpha) q'' . (alpha / beta); then Z - A per half."""
     alpha, beta = code_affine(act, bits)
-    qk = _round_to(_f32(qa * sk[None]), act)
+    qk = round_to(f32(qa * sk[None]), act)
     d = qa.shape[1]
     parts = []
     for half in (0, 1):
@@ -249,19 +94,19 @@ def _key_fold(qa: np.ndarray, sk: np.ndarray, zk: np.ndarray, act: torch.dtype, 
         ca = np.zeros(N, np.float32)
         for kb in range(d // 16):
             ch = 16 * kb + 8 * half + np.arange(8)
-            cz = _f32(cz + qa[:, ch].astype(np.float64) @ zk[ch].astype(np.float64))
+            cz = f32(cz + qa[:, ch].astype(np.float64) @ zk[ch].astype(np.float64))
             if alpha:
-                ca = _f32(ca + qk[:, ch].astype(np.float64).sum(axis=1) * (alpha / beta))
-        parts.append(_f32(cz - ca))
-    return qk, _f32(_f32(parts[0] + parts[1]) * np.float32(beta))
+                ca = f32(ca + qk[:, ch].astype(np.float64).sum(axis=1) * (alpha / beta))
+        parts.append(f32(cz - ca))
+    return qk, f32(f32(parts[0] + parts[1]) * np.float32(beta))
 
 
-def _exp2(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore", invalid="ignore"):
-        return np.exp2(x.astype(np.float64)).astype(np.float32)
+def _fma(a, b, c) -> np.ndarray:
+    """fl32(a b + c) with one rounding (fmaf)."""
+    return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(np.float32)
 
 
-def _warp_chunk(ctx: _Ctx, warp: _Warp, qa: np.ndarray, q_fp: np.ndarray, kt: int, k1: int, pos: np.ndarray,
+def _warp_chunk(ctx: CtaInputs, warp: _Warp, qa: np.ndarray, q_fp: np.ndarray, kt: int, k1: int, pos: np.ndarray,
                 quant: bool, blk: int, h: int, slot: int, s: int, nq: int, k_chunk: np.ndarray,
                 v_chunk: np.ndarray) -> None:
     """One 32-key chunk [kt, kt + 32) of one warp: S MMA (seeded with the bias), mask, online softmax, P V MMA and
@@ -274,13 +119,13 @@ def _warp_chunk(ctx: _Ctx, warp: _Warp, qa: np.ndarray, q_fp: np.ndarray, kt: in
         ak = _quantized_tiles(ctx, "keys", blk, h, r)  # [2, D/16, 16 keys, 16 ch]
         av = _quantized_tiles(ctx, "values", blk, h, r)  # [2, D/16, 16 ch, 16 keys]
         grp = r // cfg.group_size
-        sk, zk = _round_to(ctx.ks[blk, h, grp], act), _round_to(ctx.kz[blk, h, grp], act)  # [D] as T
+        sk, zk = round_to(ctx.ks[blk, h, grp], act), round_to(ctx.kz[blk, h, grp], act)  # [D] as T
         bq, bias = _key_fold(qa, sk, zk, act, cfg.k_bits)
         bq = bq.T  # B of S: [D (k), N]
         rows_v = r + np.arange(CHUNK)
-        sv, zv = _round_to(ctx.vs[blk, h, rows_v], act), _round_to(ctx.vz[blk, h, rows_v], act)  # [32, groups]
+        sv, zv = round_to(ctx.vs[blk, h, rows_v], act), round_to(ctx.vz[blk, h, rows_v], act)  # [32, groups]
         alpha_v, beta_v = code_affine(act, cfg.v_bits)
-        u = _round_to(_f32(zv.astype(np.float64) - (alpha_v / beta_v) * sv.astype(np.float64)), act)  # [32, groups]
+        u = round_to(f32(zv.astype(np.float64) - (alpha_v / beta_v) * sv.astype(np.float64)), act)  # [32, groups]
     else:
         keys = kt + np.arange(CHUNK)
         kr = np.zeros((CHUNK, d), np.float32)
@@ -299,36 +144,36 @@ def _warp_chunk(ctx: _Ctx, warp: _Warp, qa: np.ndarray, q_fp: np.ndarray, kt: in
     for tau in range(2):
         c = np.broadcast_to(bias[None], (16, N)).astype(np.float32)
         for kb in range(d // 16):
-            c = _mma(c, ak[tau, kb], bq[16 * kb:16 * kb + 16])
+            c = mma(c, ak[tau, kb], bq[16 * kb:16 * kb + 16])
         sc[16 * tau:16 * tau + 16] = c
     key = kt + np.arange(CHUNK)
     visible = (key[:, None] < k1) & (key[:, None] <= pos[None, :])
     sc = np.where(visible, sc, -np.inf).astype(np.float32)
     m_new = np.maximum(warp.m, sc.max(axis=0))
     with np.errstate(invalid="ignore"):  # -inf - -inf where no key is visible yet: alpha = 1 there
-        alpha = np.where(m_new == warp.m, 1.0, _exp2(warp.m - m_new)).astype(np.float32)
+        alpha = np.where(m_new == warp.m, 1.0, exp2(warp.m - m_new)).astype(np.float32)
     warp.m = m_new
-    warp.o = _f32(warp.o * alpha[None])
-    warp.vb = _f32(warp.vb * alpha[None])
+    warp.o = f32(warp.o * alpha[None])
+    warp.vb = f32(warp.vb * alpha[None])
     m_use = np.where(m_new == -np.inf, 0.0, m_new).astype(np.float32)
-    p = _exp2(_f32(sc - m_use[None]))  # [32 keys, N]
-    w = _round_to(p, act)  # the B fragment of P^T (pack + movmatrix)
+    p = exp2(f32(sc - m_use[None]))  # [32 keys, N]
+    w = round_to(p, act)  # the B fragment of P^T (pack + movmatrix)
     for tau in range(2):
         wt = p_to_b_fragment(w[16 * tau:16 * tau + 16])  # [16 keys, N], through the lanes: equals w
         a_bias = np.zeros((16, 16), np.float32)  # rows: V groups, then the ones row (l)
         if quant:
             alpha_v, beta_v = code_affine(act, cfg.v_bits)
-            wb = _f32(wt * np.float32(1.0 / beta_v))  # exact: a power of two
+            wb = f32(wt * np.float32(1.0 / beta_v))  # exact: a power of two
             a_bias[:nvg] = u[16 * tau:16 * tau + 16].T
             for vg in range(nvg):
-                pp = _round_to(_f32(wb * sv[16 * tau:16 * tau + 16, vg][:, None]), act)  # P' [16, N]
+                pp = round_to(f32(wb * sv[16 * tau:16 * tau + 16, vg][:, None]), act)  # P' [16, N]
                 for cb in range(vg * ctx.gv // 16, (vg + 1) * ctx.gv // 16):
-                    warp.o[16 * cb:16 * cb + 16] = _mma(warp.o[16 * cb:16 * cb + 16], av[tau, cb], pp)
+                    warp.o[16 * cb:16 * cb + 16] = mma(warp.o[16 * cb:16 * cb + 16], av[tau, cb], pp)
         else:
             for cb in range(d // 16):
-                warp.o[16 * cb:16 * cb + 16] = _mma(warp.o[16 * cb:16 * cb + 16], av[tau, cb], wt)
+                warp.o[16 * cb:16 * cb + 16] = mma(warp.o[16 * cb:16 * cb + 16], av[tau, cb], wt)
         a_bias[nvg] = 1.0
-        warp.vb = _mma(warp.vb, a_bias, wt)
+        warp.vb = mma(warp.vb, a_bias, wt)
 
 
 def warp_ranges(k0: int, k1: int) -> list[tuple[int, int]]:
@@ -338,17 +183,17 @@ def warp_ranges(k0: int, k1: int) -> list[tuple[int, int]]:
     return [(k0 + CHUNK * min(w * per, n), k0 + CHUNK * min((w + 1) * per, n)) for w in range(WARPS)]
 
 
-def cta(ctx: _Ctx, qrows: np.ndarray, live: np.ndarray, pos: np.ndarray, k0: int, k1: int, nq: int,
+def cta(ctx: CtaInputs, qrows: np.ndarray, live: np.ndarray, pos: np.ndarray, k0: int, k1: int, nq: int,
         table_row: torch.Tensor, h: int, slot: int, s: int, k_chunk: np.ndarray, v_chunk: np.ndarray
         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One CTA: qrows [8, D] (zeros for dead rows) over keys [k0, k1) -> merged (m [8] in log2 units, l [8],
     O [8, D])."""
     d = ctx.d
     smscale = np.float32(LOG2E / math.sqrt(d))
-    qsc = _f32(qrows * smscale)  # log2 units
-    q_fp = _round_to(qsc, ctx.act)  # B of S for full-precision keys
+    qsc = f32(qrows * smscale)  # log2 units
+    q_fp = round_to(qsc, ctx.act)  # B of S for full-precision keys
     _, beta_k = code_affine(ctx.act, ctx.cfg.k_bits)
-    qa = _f32(q_fp * np.float32(1.0 / beta_k))  # exact: a power of two
+    qa = f32(q_fp * np.float32(1.0 / beta_k))  # exact: a power of two
     results = []
     for a, b in warp_ranges(k0, k1):
         warp = _Warp(d, d // ctx.gv)
@@ -360,7 +205,7 @@ def cta(ctx: _Ctx, qrows: np.ndarray, live: np.ndarray, pos: np.ndarray, k0: int
     # merge the warps once (shared memory in the kernel)
     ms = np.stack([r[0] for r in results])  # [4, N]
     mx = ms.max(axis=0)
-    f = np.where(ms == -np.inf, 0.0, _exp2(ms - mx[None])).astype(np.float32)
+    f = np.where(ms == -np.inf, 0.0, exp2(ms - mx[None])).astype(np.float32)
     lsum = np.zeros(N, np.float32)
     o = np.zeros((d, N), np.float32)
     for w, (_, lw, ow) in enumerate(results):
@@ -388,12 +233,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_ids: torch
     infos, flag = prepare(plan, cfg, slots, pasts, chunks, block_table, tokens, num_blocks,
                           buffers.k_window.shape[0])
     grp, act = plan.group_heads, q.dtype
-    ctx = _Ctx(buffers, cfg, act, d)
+    ctx = CtaInputs(buffers, cfg, act, d)
     out = np.zeros((tokens, nh, d), np.float32)
     ml = np.zeros((tokens, nh, plan.num_splits, 2), np.float32)
     part = np.zeros((tokens, nh, plan.num_splits, d), np.float32)
     qf, kf, vf = q.float().numpy(), k.float().numpy(), v.float().numpy()
-    from . import prefill_model
     # the decode kernel's tiles (8 rows), then the prefill kernel's (64 rows): kiviPrepareKernel gives every
     # sequence to exactly one of them
     kernels = [(plan.num_tiles, N, "tile_offset", "tile_count", cta),
@@ -455,7 +299,6 @@ def history_stats(buffers: KiviBuffers, cfg: KiviConfig, slot: int, table_row: t
     """The stored state after `past` tokens as the kernel sees it: K, V [Hkv, past, D] dequantized in fp32 WITHOUT
     the reference's rounding to the activation dtype (window rows as stored), and the per-key, per-channel K and V
     scales [Hkv, past, D] (0 for full-precision keys)."""
-    from ..reference.kv import dequantize_keys, dequantize_values
     _, hkv, _, d = buffers.k_window.shape
     n_q = cfg.num_quantized(past)
     ks, vs, kss, vss = [], [], [], []

@@ -10,7 +10,7 @@ tile of the split (keys in the decode kernel's order: store, sinks, ring, chunk)
     mask (key < k1 and key <= the row's position); online softmax in log2 units (rescale by alpha = 1 when the
     maximum holds); P = rnd_T(2^(s - m)); l += sum of P (the rounded values, in the lanes' order: per lane, then the
     4 lanes of a row at the end); O += P V, two MMAs (16 keys each) per 8-channel n-tile.
-Tensor-core products are modelled as in mma_model (exact products, one fp32 rounding per MMA).
+Tensor-core products are modelled as in fragments.mma (exact products, one fp32 rounding per MMA).
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import numpy as np
 import torch
 
 from ..format import fragment_words_per_lane
-from .mma_model import LOG2E, _Ctx, _exp2, _f32, _mma, a_coord
-from .model import _round_to
+from .fragments import LOG2E, CtaInputs, a_coord, exp2, f32, mma, round_to
 
 ROWS = 64  # kPREFILL_TILE_ROWS
 KEYS = 32  # keys per tile (one FRAGMENT chunk)
@@ -63,10 +62,10 @@ def scatter_fragment_words(words: np.ndarray, bits: int, head_dim: int, kind: st
 
 def _dequant(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, act: torch.dtype) -> np.ndarray:
     """reference/quant.py dequantize_groups in fp32 (no FMA contraction), then the history's cast to act."""
-    return _round_to(_f32(_f32(codes.astype(np.float32) * scale) + zero), act)
+    return round_to(f32(f32(codes.astype(np.float32) * scale) + zero), act)
 
 
-def quantized_tile(ctx: _Ctx, blk: int, h: int, r: int) -> tuple[np.ndarray, np.ndarray]:
+def quantized_tile(ctx: CtaInputs, blk: int, h: int, r: int) -> tuple[np.ndarray, np.ndarray]:
     """loadQuantizedTilePf: store rows [r, r + 32) of block `blk`, KV head h -> K, V [32, D] on act's grid."""
     cfg, d = ctx.cfg, ctx.d
     out = []
@@ -86,7 +85,7 @@ def quantized_tile(ctx: _Ctx, blk: int, h: int, r: int) -> tuple[np.ndarray, np.
     return out[0], out[1]
 
 
-def full_precision_tile(ctx: _Ctx, kt: int, k1: int, h: int, slot: int, s: int, nq: int, k_chunk: np.ndarray,
+def full_precision_tile(ctx: CtaInputs, kt: int, k1: int, h: int, slot: int, s: int, nq: int, k_chunk: np.ndarray,
                         v_chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """loadFullPrecisionTilePf (fullPrecisionRow): keys [kt, kt + 32) -> K, V [32, D]; zeros past k1."""
     cfg, d = ctx.cfg, ctx.d
@@ -104,14 +103,14 @@ def full_precision_tile(ctx: _Ctx, kt: int, k1: int, h: int, slot: int, s: int, 
     return kr, vr
 
 
-def cta(ctx: _Ctx, qrows: np.ndarray, live: np.ndarray, pos: np.ndarray, k0: int, k1: int, nq: int,
+def cta(ctx: CtaInputs, qrows: np.ndarray, live: np.ndarray, pos: np.ndarray, k0: int, k1: int, nq: int,
         table_row: torch.Tensor, h: int, slot: int, s: int, k_chunk: np.ndarray, v_chunk: np.ndarray
         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One prefill CTA: qrows [64, D] (zeros for dead rows) over keys [k0, k1) -> (m [64] log2 units, l [64],
     O [64, D]) before the division (the kernel divides when there is one split)."""
     d, act = ctx.d, ctx.act
     smscale = np.float32(LOG2E / math.sqrt(d))
-    q = _round_to(_f32(qrows * smscale), act)  # A fragments of Q
+    q = round_to(f32(qrows * smscale), act)  # A fragments of Q
     m = np.full(ROWS, -np.inf, np.float32)
     lsum = np.zeros((ROWS, 4), np.float32)  # per lane t of the row: keys 8 nt + 2t, 8 nt + 2t + 1
     o = np.zeros((ROWS, d), np.float32)
@@ -125,27 +124,27 @@ def cta(ctx: _Ctx, qrows: np.ndarray, live: np.ndarray, pos: np.ndarray, k0: int
         for nt in range(KEYS // 8):
             c = np.zeros((ROWS, 8), np.float32)
             for kb in range(d // 16):
-                c = _mma(c, q[:, 16 * kb:16 * kb + 16], kr[8 * nt:8 * nt + 8, 16 * kb:16 * kb + 16].T)
+                c = mma(c, q[:, 16 * kb:16 * kb + 16], kr[8 * nt:8 * nt + 8, 16 * kb:16 * kb + 16].T)
             sc[:, 8 * nt:8 * nt + 8] = c
         key = kt + np.arange(KEYS)
         visible = (key[None, :] < k1) & (key[None, :] <= pos[:, None])
         sc = np.where(visible, sc, -np.inf).astype(np.float32)
         m_new = np.maximum(m, sc.max(axis=1))
         with np.errstate(invalid="ignore"):  # -inf - -inf where no key is visible yet: alpha = 1 there
-            alpha = np.where(m_new == m, 1.0, _exp2(m - m_new)).astype(np.float32)
+            alpha = np.where(m_new == m, 1.0, exp2(m - m_new)).astype(np.float32)
         m = m_new
         m_use = np.where(m == -np.inf, 0.0, m).astype(np.float32)
-        lsum = _f32(lsum * alpha[:, None])
-        o = _f32(o * alpha[:, None])
-        w = _round_to(_exp2(_f32(sc - m_use[:, None])), act)  # P: A fragments of O += P V
+        lsum = f32(lsum * alpha[:, None])
+        o = f32(o * alpha[:, None])
+        w = round_to(exp2(f32(sc - m_use[:, None])), act)  # P: A fragments of O += P V
         for kk in range(2):  # the kernel adds each pair (w.x + w.y) to its lane's l, block by block
             for half in (0, 1):  # A registers of rows g (r & 1 = 0) / g + 8: n-tiles 2kk, 2kk + 1
                 cols = 16 * kk + 8 * half + np.arange(8)
-                pair = _f32(w[:, cols[0::2]] + w[:, cols[1::2]])  # [64, 4 lanes]
-                lsum = _f32(lsum + pair)
+                pair = f32(w[:, cols[0::2]] + w[:, cols[1::2]])  # [64, 4 lanes]
+                lsum = f32(lsum + pair)
         for nt in range(d // 8):
             for kk in range(2):
-                o[:, 8 * nt:8 * nt + 8] = _mma(o[:, 8 * nt:8 * nt + 8], w[:, 16 * kk:16 * kk + 16],
+                o[:, 8 * nt:8 * nt + 8] = mma(o[:, 8 * nt:8 * nt + 8], w[:, 16 * kk:16 * kk + 16],
                                                vr[16 * kk:16 * kk + 16, 8 * nt:8 * nt + 8])
-    lt = _f32(_f32(lsum[:, 0] + lsum[:, 1]) + _f32(lsum[:, 2] + lsum[:, 3]))  # xor 1, then xor 2
+    lt = f32(f32(lsum[:, 0] + lsum[:, 1]) + f32(lsum[:, 2] + lsum[:, 3]))  # xor 1, then xor 2
     return m, lt, np.where(live[:, None], o, 0.0).astype(np.float32)
