@@ -9,7 +9,8 @@ import torch
 from onnx import numpy_helper
 
 from trtllm_kivi.builder.check import LOGIT_ATOL, check_graph
-from trtllm_kivi.builder.onnx_export import ExportSpec, export_llama, graph_info
+from trtllm_kivi.builder.onnx_export import export_llama, graph_info
+from trtllm_kivi.op import ExportSpec
 from trtllm_kivi.models.tiny import tiny_model
 from trtllm_kivi.format import KiviConfig
 

@@ -1,6 +1,6 @@
 """Structure of the exported ONNX graph (trtllm_kivi.builder.onnx_export) on a tiny random Llama.
 
-Oracles: format.buffer_shapes / buffer_dtypes (cache I/O), plugin.plugin_fields (node attributes), the torch model's
+Oracles: format.buffer_shapes / buffer_dtypes (cache I/O), op.plugin_fields (node attributes), the torch model's
 own tensors (initializers), onnx.checker + strict shape inference (graph validity)."""
 
 import numpy as np
@@ -8,13 +8,13 @@ import onnx
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from trtllm_kivi.builder.onnx_export import (DOMAIN, ONNX_DTYPES, STEP_INPUTS, ExportSpec, export_llama, graph_info,
-                                              save_model)
+from trtllm_kivi.builder.onnx_export import ONNX_DTYPES, export_llama, graph_info, save_model
 from trtllm_kivi.runtime.ort_session import ort_model
 from trtllm_kivi.models.tiny import tiny_model
 from trtllm_kivi.builder.trt_build import profile_shapes, trtexec_command
 from trtllm_kivi.format import BUFFER_NAMES, FORMAT_VERSION, KiviConfig, buffer_dtypes, buffer_shapes
-from trtllm_kivi.plugin import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, plugin_fields
+from trtllm_kivi.op import (DOMAIN, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, STEP_INPUTS, ExportSpec,
+                            plugin_fields)
 
 CFG = KiviConfig(k_bits=2, v_bits=4, group_size=32, residual_length=32, block_size=64)
 SPEC = ExportSpec("float16", max_batch_size=3, max_seq_len=300, max_num_tokens=256)

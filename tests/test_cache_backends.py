@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from trtllm_kivi.cache import BACKENDS, KiviCache, default_backend, resolve_backend
-from trtllm_kivi.eval.memo_cache import MemoKiviCache
 from trtllm_kivi.format import Geometry, KiviConfig
 from trtllm_kivi.models import load_model
 from trtllm_kivi.models.tiny import FAN_IN_INIT, write_tiny_checkpoint
@@ -114,4 +113,4 @@ def test_backend_choice_and_errors():
         KiviCache(KIVI2, GEOM, 1, 64, torch.float32, backend="cuda")
     with pytest.raises(ValueError, match=r"attention backend 'fast' is not available; allowed: auto, reference, memo"):
         KiviCache(KIVI2, GEOM, 1, 64, torch.float32, backend="fast")
-    assert MemoKiviCache(KIVI2, GEOM, 1, 64, torch.float32).backend_name == "memo"  # the re-export of one release
+    assert KiviCache(KIVI2, GEOM, 1, 64, torch.float32, backend="memo").backend_name == "memo"

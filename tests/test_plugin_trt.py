@@ -17,9 +17,8 @@ import pytest
 import torch
 
 from trtllm_kivi.format import BUFFER_NAMES, FORMAT_VERSION, KiviConfig
-from trtllm_kivi.op import STATUS_OUTPUT
-from trtllm_kivi.plugin import (PLUGIN_LIBRARY_NAME, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION,
-                                find_plugin_library, load_plugin_library, plugin_fields)
+from trtllm_kivi.op import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, STATUS_OUTPUT, plugin_fields
+from trtllm_kivi.plugin import PLUGIN_LIBRARY_NAME, find_plugin_library, load_plugin_library
 from trtllm_kivi.reference.attention import KiviBuffers, kivi_attention
 
 trt = pytest.importorskip("tensorrt", reason="TensorRT's Python package (import tensorrt) is not installed")

@@ -11,7 +11,8 @@ import torch
 
 from trtllm_kivi.builder.build import BuildOptions, build
 from trtllm_kivi.builder.check import reference_model
-from trtllm_kivi.builder.onnx_export import ExportSpec, export_llama, graph_info
+from trtllm_kivi.builder.onnx_export import export_llama, graph_info
+from trtllm_kivi.op import ExportSpec
 from trtllm_kivi.models.tiny import tiny_model, write_tiny_checkpoint
 from trtllm_kivi.cache import CacheCapacityError, KiviCache
 from trtllm_kivi.format import KiviConfig

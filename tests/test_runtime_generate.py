@@ -12,7 +12,8 @@ from trtllm_kivi.cache import KiviCache
 from trtllm_kivi.format import KiviConfig
 from trtllm_kivi.models import LlamaModel, ModelConfig, Tokenizer
 from trtllm_kivi.runtime.detokenize import Detokenizer
-from trtllm_kivi.runtime.generate import Generation, SamplingParams, generate, sample
+from trtllm_kivi.runtime.generate import Generation, SamplingParams, generate
+from trtllm_kivi.runtime.sampling import sample
 from trtllm_kivi.runtime.torch_runner import TorchRunner
 
 BYTES = sorted(pre_tokenizers.ByteLevel.alphabet())

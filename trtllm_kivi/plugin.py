@@ -1,7 +1,6 @@
 """The KiviAttention TensorRT plugin library: finding and loading it (ctypes), and its FORMAT_VERSION check.
 
-The op's identity and field list moved to trtllm_kivi.op; they are re-exported here for one release
-(`trtllm_kivi.plugin.FIELDS`, `plugin_fields`, ...).
+The op's identity and field list (PLUGIN_NAME, FIELDS, plugin_fields, ...) are trtllm_kivi.op's.
 """
 
 from __future__ import annotations
@@ -11,8 +10,7 @@ import ctypes
 import os
 from pathlib import Path
 
-from .op import (FIELD_NAMES, FIELDS, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, PluginField,
-                 check_format_version, config_from_fields, find_library, library_candidates, plugin_fields)
+from .op import check_format_version, find_library, library_candidates
 
 PLUGIN_LIBRARY_NAME = "libtrtllm_kivi_plugin.so"
 PLUGIN_LIBRARY_ENV = "TRTLLM_KIVI_PLUGIN_LIB"
@@ -49,6 +47,5 @@ def load_plugin_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
     return lib
 
 
-__all__ = ["PLUGIN_NAME", "PLUGIN_VERSION", "PLUGIN_NAMESPACE", "PluginField", "FIELDS", "FIELD_NAMES",
-           "plugin_fields", "config_from_fields", "PLUGIN_LIBRARY_NAME", "PLUGIN_LIBRARY_ENV",
-           "plugin_library_candidates", "find_plugin_library", "load_plugin_library"]
+__all__ = ["PLUGIN_LIBRARY_NAME", "PLUGIN_LIBRARY_ENV", "plugin_library_candidates", "find_plugin_library",
+           "load_plugin_library"]

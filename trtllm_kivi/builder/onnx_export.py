@@ -35,7 +35,7 @@ from onnx import TensorProto, helper
 
 from ..format import BUFFER_NAMES, KiviConfig, buffer_dtypes, buffer_shapes
 from ..op import (DOMAIN, FIELD_NAMES, GRAPH_DTYPES, LOGITS, OPSET, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION,
-                  STATUS_OUTPUT, STEP_INPUTS, ExportSpec, GraphInfo, cache_io_names, plugin_fields, status_name)
+                  STATUS_OUTPUT, ExportSpec, GraphInfo, cache_io_names, plugin_fields, status_name)
 from ..reference.rotation import hadamard
 
 SUPPORTED_DTYPES = GRAPH_DTYPES
@@ -239,6 +239,5 @@ def save_model(m: onnx.ModelProto, path: str, data_name: str | None = None) -> N
     onnx.load_external_data_for_model(m, os.path.dirname(os.path.abspath(path)))
 
 
-# ExportSpec, cache_io_names and STEP_INPUTS moved to trtllm_kivi.op; re-exported here for one release.
-__all__ = ["ExportSpec", "GraphInfo", "STEP_INPUTS", "SUPPORTED_DTYPES", "ONNX_DTYPES", "cache_io_names",
+__all__ = ["SUPPORTED_DTYPES", "ONNX_DTYPES",
            "export_llama", "graph_info", "kivi_attention_schema", "register_schema", "save_model"]

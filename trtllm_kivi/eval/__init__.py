@@ -9,6 +9,5 @@ Public API:
     quality.evaluate_quality(model, runners, kivi, ids, QualitySetup, reference)  PPL, KL, top-1, error growth.
     passkey.build_prompt / run_passkey; suite.passkey_sweep(runners, prompts, reference)
     suite.make_runner(model, KVSpec, max_slots, max_seq_len, backend)  TorchRunner over a fresh cache.
-    memo_cache.MemoKiviCache                    moved: KiviCache(..., backend="memo") (re-export for one release).
     report.quality_table / passkey_table / plot_error_growth. (Tiny test checkpoints: trtllm_kivi.models.tiny.)
 """

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from collections.abc import Callable, Sequence
 
 from .base import Runner
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams
 from .scheduler import Request, RequestRejected, Scheduler
 
 
@@ -71,4 +71,4 @@ def generate(runner: Runner, prompts: Sequence[Sequence[int]], params: SamplingP
     return out
 
 
-__all__ = ["Generation", "SamplingParams", "generate", "sample"]
+__all__ = ["Generation", "SamplingParams", "generate"]
