@@ -44,13 +44,12 @@ def test_names_order_and_types():
 
 def test_defaults_are_format_defaults():
     # plugin_fields of a default KiviConfig is what the exporter writes for a default cache.
+    # Every field is required at build too (a graph without residual_length must not build with a default).
     expected = plugin_fields(KiviConfig(), num_heads=9, num_kv_heads=3, head_dim=64)
     for name in FIELD_NAMES:
         f = SPEC_FIELDS[name]
-        if name in GEOMETRY:
-            assert f["required_at_build"] is True and f["default"] is None, name
-        else:
-            assert f["required_at_build"] is False and f["default"] == expected[name], name
+        assert f["required_at_build"] is True, name
+        assert f["default"] == (None if name in GEOMETRY else expected[name]), name
     assert SPEC_FIELDS["format_version"]["default"] == fmt.FORMAT_VERSION
 
 
@@ -93,7 +92,7 @@ def test_allowed_values_round_trip_through_plugin_py():
             config_from_fields(dict(base, **{name: bad}))
 
 
-def test_issue11_fields_per_layer_round_trip_and_refusals():
+def test_sink_and_rotation_fields_round_trip_per_layer_and_refusals():
     # FORMAT_VERSION 2: sink_tokens and each node's layer's rotation codes (0 = none, 1 = hadamard) come from the
     # KiviConfig (rotation per layer, for K and V separately) and are read back into it.
     assert FIELD_NAMES[-4:] == ("sink_tokens", "k_rotation", "v_rotation", "format_version")
@@ -183,7 +182,7 @@ def test_cpp_field_table_matches_spec():
     assert consts["kFORMAT_VERSION"] == SPEC_FIELDS["format_version"]["default"]
     assert consts["kSCALE_DTYPE_FLOAT32"] == len(fmt.SUPPORTED_SCALE_DTYPES) - 1
     assert consts["kKEY_GROUPING_PER_TOKEN"] == len(fmt.SUPPORTED_KEY_GROUPINGS) - 1
-    # The plugin's own constants for issue 11's fields (kiviAttentionParams.h) and its output count.
+    # The plugin's own constants for the sink and rotation fields (kiviAttentionParams.h) and its output count.
     header = (PLUGIN_DIR / "kiviAttentionParams.h").read_text()
     plugin_consts = {m[1]: m[2] for m in re.finditer(r"constexpr int32_t (\w+) = ([^;]+);", header)}
     assert int(plugin_consts["kMAX_SINK_TOKENS"]) == MAX_SINK_TOKENS

@@ -41,8 +41,8 @@ constexpr int32_t kOUT_BUFFERS = 1;
 constexpr int32_t kOUT_STATUS = kOUT_BUFFERS + kNUM_BUFFERS; // 9
 constexpr int32_t kNB_OUTPUTS = kOUT_STATUS + 1;             // 10
 
-//! sink_tokens: tokens [0, S) of each sequence kept in full precision (issue 11), 0 ..= kMAX_SINK_TOKENS: window rows
-//! [0, S) of each slot, before the ring (the windows have S + W rows).
+//! sink_tokens: tokens [0, S) of each sequence kept in full precision (attention sinks), 0 ..= kMAX_SINK_TOKENS:
+//! window rows [0, S) of each slot, before the ring (the windows have S + W rows).
 constexpr int32_t kMAX_SINK_TOKENS = 128;
 //! k_rotation / v_rotation codes: what this layer's cached K / V were multiplied by along head_dim before the op
 //! (the op is rotation-agnostic; the field records the format so a rotated cache is never read unrotated).
@@ -70,8 +70,11 @@ struct KiviAttentionParams
     bool operator==(KiviAttentionParams const& o) const noexcept;
 };
 
-//! One plugin field: its name, where it lives in KiviAttentionParams, and whether the build phase may omit it
-//! (then the member's default above applies). The runtime phase needs every field.
+//! One plugin field: its name, where it lives in KiviAttentionParams, and whether the build phase needs it (the
+//! runtime phase needs every field). Every field is required at build too: a graph that omitted one would get the
+//! member's default above, which need not be what its runner allocates the cache for (an ONNX node without
+//! residual_length built with R = 128). The defaults remain format.py's, what plugin_fields writes for a default
+//! KiviConfig (fields.json "default").
 struct FieldSpec
 {
     char const* name;

@@ -12,6 +12,7 @@
  */
 #include "NvInferRuntime.h"
 #include "NvInferVersion.h"
+#include "kiviFormat.h"
 
 #include <dlfcn.h>
 
@@ -180,7 +181,8 @@ public:
 
 FakeRegistry gRegistry;
 
-//! The registered KiviAttention creator builds a plugin from the SmolLM2 fields (plugin.py plugin_fields).
+//! The registered KiviAttention creator builds a plugin from the SmolLM2 fields (op.py plugin_fields of a default
+//! KiviConfig: every field is required).
 bool createsPlugin()
 {
     auto* creator = static_cast<IPluginCreatorV3One*>(gRegistry.getCreator("KiviAttention", "1", "trtllm_kivi"));
@@ -188,14 +190,19 @@ bool createsPlugin()
     {
         return false;
     }
-    char const* names[] = {"num_heads", "num_kv_heads", "head_dim"};
-    int32_t const values[] = {9, 3, 64};
+    char const* names[] = {"num_heads", "num_kv_heads", "head_dim", "k_bits", "v_bits", "group_size",
+        "residual_length", "block_size", "scale_dtype", "key_grouping", "sink_tokens", "k_rotation", "v_rotation",
+        "format_version"};
+    using namespace trtllm_kivi;
+    int32_t const values[] = {9, 3, 64, kDEFAULT_K_BITS, kDEFAULT_V_BITS, kDEFAULT_GROUP_SIZE,
+        kDEFAULT_RESIDUAL_LENGTH, kDEFAULT_BLOCK_SIZE, kSCALE_DTYPE_FLOAT16, kKEY_GROUPING_PER_CHANNEL,
+        kDEFAULT_SINK_TOKENS, 0, 0, kFORMAT_VERSION};
     std::vector<PluginField> fields;
-    for (int32_t i = 0; i < 3; ++i)
+    for (int32_t i = 0; i < 14; ++i)
     {
         fields.emplace_back(names[i], &values[i], PluginFieldType::kINT32, 1);
     }
-    PluginFieldCollection fc{3, fields.data()};
+    PluginFieldCollection fc{14, fields.data()};
     IPluginV3* plugin = creator->createPlugin("layer", &fc, TensorRTPhase::kBUILD);
     bool const ok = plugin != nullptr
         && std::strcmp(static_cast<IPluginV3OneCore*>(plugin->getCapabilityInterface(PluginCapabilityType::kCORE))

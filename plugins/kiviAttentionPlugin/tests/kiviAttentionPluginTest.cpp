@@ -254,10 +254,13 @@ void testRoundTrip()
         {
             f.set("k_rotation", 1).set("v_rotation", 0);
         }
-        if (variant == 3) // build phase: only the geometry; the rest takes format.py's defaults
+        if (variant == 3) // the default fields, given in another order
         {
             f = Fields{};
-            f.set("head_dim", 64).set("num_kv_heads", 3).set("num_heads", 9); // any order
+            f.set("head_dim", 64).set("num_kv_heads", 3).set("num_heads", 9).set("format_version", kFORMAT_VERSION);
+            f.set("v_rotation", 0).set("k_rotation", 0).set("sink_tokens", 0).set("key_grouping", 0);
+            f.set("scale_dtype", 0).set("block_size", 128).set("residual_length", 128).set("group_size", 32);
+            f.set("v_bits", 2).set("k_bits", 2);
         }
         auto p = create(f);
         CHECK_MSG(p != nullptr, lastError());
@@ -322,8 +325,8 @@ void testFieldErrors()
     expectRefused(smolFields().set("block_size", 0), {"block_size=0"}, __LINE__);
     expectRefused(smolFields().set("scale_dtype", 3), {"scale_dtype=3", "0=float16, 1=bfloat16, 2=float32"}, __LINE__);
     expectRefused(smolFields().set("key_grouping", 2), {"key_grouping=2", "0=per_channel, 1=per_token"}, __LINE__);
-    // Issue 11's fields: sinks are accepted in both phases (the kernels keep them: windows of S + W rows), outside
-    // [0, 128] refused; rotation codes outside {0, 1} are refused.
+    // The sink and rotation fields (FORMAT_VERSION 2): sinks are accepted in both phases (the kernels keep them:
+    // windows of S + W rows), outside [0, 128] refused; rotation codes outside {0, 1} are refused.
     for (TensorRTPhase phase : {TensorRTPhase::kBUILD, TensorRTPhase::kRUNTIME})
     {
         Fields f = smolFields().set("sink_tokens", 4);
@@ -352,6 +355,10 @@ void testFieldErrors()
         __LINE__, TensorRTPhase::kRUNTIME);
     expectRefused(smolFields().set("num_layers", 30), {"unknown field 'num_layers'", "num_heads"}, __LINE__);
     expectRefused(smolFields().erase("head_dim"), {"missing field(s) head_dim"}, __LINE__);
+    // The build phase needs every field too: no default may stand in for what the graph's runner allocates.
+    expectRefused(smolFields().erase("residual_length"), {"missing field(s) residual_length"}, __LINE__);
+    expectRefused(smolFields().erase("format_version").erase("k_rotation"),
+        {"missing field(s) k_rotation, format_version"}, __LINE__);
     // The runtime phase needs every field (getFieldsToSerialize writes them all).
     expectRefused(smolFields().erase("k_bits").erase("format_version"),
         {"missing field(s) k_bits, format_version", "serialized"}, __LINE__, TensorRTPhase::kRUNTIME);
@@ -609,12 +616,12 @@ void testConfigureAndWorkspace()
         CHECK_MSG(p->getWorkspaceSize(fixed.data(), 15, out.data(), 10) == most + seqInfo8,
             std::to_string(p->getWorkspaceSize(fixed.data(), 15, out.data(), 10)) + " vs " + std::to_string(most));
     }
-    // Issue 12's numbers: a Llama-3-8B layer (32 q heads, 8 KV heads, D 128) with a long-prefill profile (1..8192
-    // tokens, 1..8 sequences, 256-block table = 32K context) was given 140,708,096 bytes (a bound on T x numSplits
-    // at 8192 tokens: (8192 + 264) x 32 rows of 130 fp32). The most any step uses, with the plan of the decode and
-    // prefill kernels (132 SMs x 3 CTAs; from 16 tokens a sequence may be a prefill one, so a batch-1 step has at most
-    // 8 decode tiles + floor(4 T / 64) + 1 prefill tiles): 255 tokens split 2 ways (8 + 16 tiles x 8 KV heads x 2
-    // splits = 384 <= 396 slots; at 256 tokens 8 + 17 tiles leave no room for a second split).
+    // The workspace of a long-prefill profile: a Llama-3-8B layer (32 q heads, 8 KV heads, D 128) with a profile
+    // of 1..8192 tokens, 1..8 sequences and a 256-block table (32K context) was given 140,708,096 bytes (a bound on
+    // T x numSplits at 8192 tokens: (8192 + 264) x 32 rows of 130 fp32). The most any step uses, with the plan of the
+    // decode and prefill kernels (132 SMs x 3 CTAs; from 16 tokens a sequence may be a prefill one, so a batch-1 step
+    // has at most 8 decode tiles + floor(4 T / 64) + 1 prefill tiles): 255 tokens split 2 ways (8 + 16 tiles x 8 KV
+    // heads x 2 splits = 384 <= 396 slots; at 256 tokens 8 + 17 tiles leave no room for a second split).
     {
         Fields g = smolFields();
         g.set("num_heads", 32).set("num_kv_heads", 8).set("head_dim", 128);
@@ -786,7 +793,7 @@ void testExports()
 
 int printFields()
 {
-    // Defaults from a default-constructed KiviAttentionParams (what the build phase uses for absent fields).
+    // Defaults from a default-constructed KiviAttentionParams (format.py's defaults; every field is required).
     KiviAttentionParams const defaults{};
     std::printf("[\n");
     for (size_t k = 0; k < kNB_FIELDS; ++k)
