@@ -5,7 +5,7 @@ process (ctypes, RTLD_LOCAL: each copy binds its own symbols) and the builds are
 round, so drift hits them alike. The comparison is the median over rounds of each build's time / the first build's.
 
     PYTHONPATH=. .venv/bin/python benchmarks/ab_cpu_attention_libs.py --geometry smollm2-135m --batch 8 \\
-        --context 2176 --layers 1 --calls 4 --rounds 30 base=/tmp/a.so new=/tmp/b.so base2=/tmp/a.so
+        --context 2176 --layers 1 --calls 4 --rounds 30 base=ab/a.so new=ab/b.so base2=ab/a.so
 
 Name a build twice (base, base2) to see the noise floor of the run. Writes JSON (--out) with the machine, the shape,
 and per build: min / median ms per call of all layers, cycles per 16-token tile at --ghz, the ratio.
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_cpu_attention as B  # noqa: E402
 
+from trtllm_kivi.bench import machine_info, portable_path  # noqa: E402
 from trtllm_kivi.cpu import _abi  # noqa: E402
 from trtllm_kivi.cpu.ops import KiviCpuAttention  # noqa: E402
 from trtllm_kivi.format import KiviConfig  # noqa: E402
@@ -81,12 +81,10 @@ def main() -> int:
         print(f"{name:12s} min {min(ts) * 1e3:9.3f} ms  median {statistics.median(ts) * 1e3:9.3f} ms  "
               f"cycles/tile {res[name]['cycles_per_tile_at_min']:6d}  ratio to {base} {ratio:.3f}")
     if args.out:
-        out = {"benchmark": "ab_cpu_attention_libs", "machine": {
-            "platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
-            "torch": torch.__version__, "load_average_1m": os.getloadavg()[0]},
+        out = {"benchmark": "ab_cpu_attention_libs", "machine": machine_info(load_average_1m=os.getloadavg()[0]),
             "shape": {"geometry": args.geometry, "batch": b, "context": ctx, "layers": args.layers,
                       "threads": args.threads, "isa": args.isa, "calls": args.calls, "rounds": args.rounds},
-            "builds": {name: str(lib.path) for name, lib in builds}, "results": res}
+            "builds": {name: portable_path(lib.path) for name, lib in builds}, "results": res}
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 

@@ -12,7 +12,7 @@ shared machine hit both alike; reported: median seconds per step over all layers
 read: quantized store + fp32 window for KIVI, the K/V rows for FP16, each over all layers), the median of per-round
 ratios, and the read bandwidth of the machine measured in the same run (torch.sum over a 1 GiB fp32 tensor with the
 same threads). Only the attention phase is timed (phase=attention: the append costs one group flush every G steps).
-Writes JSON to benchmarks/results/.
+Writes JSON to benchmarks/results/cpu_attention_op_<machine>.json (trtllm_kivi.bench.machine_tag).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from trtllm_kivi import cpu as native  # noqa: E402
-from trtllm_kivi.bench import cpu_model  # noqa: E402
+from trtllm_kivi.bench import machine_info, machine_tag  # noqa: E402
 from trtllm_kivi.cpu import _abi  # noqa: E402
 from trtllm_kivi.cpu.ops import FullCpuAttention, KiviCpuAttention  # noqa: E402
 from trtllm_kivi.format import KiviConfig  # noqa: E402
@@ -197,7 +196,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/cpu_attention_op.json"))
+    ap.add_argument("--out", default=str(ROOT / f"benchmarks/results/cpu_attention_op_{machine_tag()}.json"))
     args = ap.parse_args()
     if not native.available():
         print("native CPU library not built: run build_scripts/build_cpu_kernels.sh", file=sys.stderr)
@@ -207,12 +206,10 @@ def main() -> int:
     result = {
         "benchmark": "cpu_attention_op", "op": "decode attention (phase=attention), KIVI-2 (k2v2 G32 R128 block 128, "
         "fp16 scales, fp32 window) vs FP16 dense cache, both native (plugins/cpu)",
-        "machine": {"platform": platform.platform(), "processor": cpu_model(),
-                    "cpu_isa": lib.resolve_isa("auto"), "python": sys.version.split()[0],
-                    "torch": torch.__version__,
-                    "load_average_1m_at_start": round(os.getloadavg()[0], 2),
-                    "note": "a shared machine: wall times are noisy; per-round ratios and cpu-time ratios are the "
-                            "robust comparison"},
+        "machine": machine_info(cpu_isa=lib.resolve_isa("auto"),
+                                load_average_1m_at_start=round(os.getloadavg()[0], 2),
+                                note="a shared machine: wall times are noisy; per-round ratios and cpu-time ratios "
+                                     "are the robust comparison"),
         "geometries": {g: bench_geometry(g, args, gen) for g in args.geometry},
     }
     result["machine"]["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)

@@ -10,14 +10,14 @@ tokens/s = 1 / median step time over all rounds, and the ratio vs HF is also giv
 ratios (steps taken at the same moment). KIVI-2 is timed twice: the runtime path (KiviCache: the reference op, which dequantizes the
 whole quantized store every step and layer) and MemoKiviCache (the evaluation's cache that keeps the dequantized
 history: bit-identical output). Before timing, the three implementations' greedy tokens are compared (FP16 and HF
-must agree; KIVI-2 may diverge, reported). Writes JSON to benchmarks/results/.
+must agree; KIVI-2 may diverge, reported). Writes JSON to
+benchmarks/results/cpu_decode_smollm2_threads<N>_<machine>.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -28,6 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from trtllm_kivi.bench import machine_info, machine_tag, portable_path  # noqa: E402
 from trtllm_kivi.eval.corpus import load_play  # noqa: E402
 from trtllm_kivi.eval.suite import make_runner  # noqa: E402
 from trtllm_kivi.models import load_model, read_gguf, read_hf_folder, resolve_model  # noqa: E402
@@ -95,8 +96,10 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=32, help="timed decode steps per round and implementation")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/cpu_decode_smollm2.json"))
+    ap.add_argument("--out", help="JSON path (default benchmarks/results/cpu_decode_smollm2_threads<N>_<machine>.json)")
     args = ap.parse_args()
+    name = f"cpu_decode_smollm2_threads{args.threads}_{machine_tag()}.json"
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / name)
     torch.set_num_threads(args.threads)
 
     model, tok, cfg = load_model(args.model, "float32")
@@ -128,11 +131,10 @@ def main() -> int:
     tps = {k: 1.0 / v for k, v in med.items()}
     base = "hf_dynamic_cache"
     result = {
-        "benchmark": "cpu_decode", "model": cfg.name, "model_source": str(resolve_model(args.model)),
+        "benchmark": "cpu_decode", "model": cfg.name, "model_source": portable_path(resolve_model(args.model)),
         "weights_note": "GGUF Q4_1 weights dequantized to fp32 for both implementations",
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,
-                    "python": sys.version.split()[0], "torch": torch.__version__, "transformers": hf_version,
-                    "shared_machine": "2 cores shared with other jobs: absolute numbers are noisy, ratios less so"},
+        "machine": machine_info(threads=args.threads, transformers=hf_version,
+                                note="on a shared machine absolute numbers are noisy, ratios less so"),
         "shapes": {"prompt_len": args.prompt_len, "decode_steps": args.decode, "rounds": args.rounds, "batch": 1,
                    "dtype": "float32"},
         "median_ms_per_token": {k: round(v * 1e3, 3) for k, v in med.items()},

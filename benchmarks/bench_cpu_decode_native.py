@@ -10,7 +10,7 @@ Per context: every implementation prefills the same prompt (not timed), then gre
 step of each implementation in turn (a load change on the shared machine hits all alike). Reported: median ms/token,
 tokens/s, and ratios as medians of per-step ratios (same moment) against HF and against our native FP16 cache.
 Implementations whose prefill would materialize a [context x context] score matrix per layer (the torch paths) are
-skipped above --torch-max-context. Writes JSON to benchmarks/results/.
+skipped above --torch-max-context. Writes JSON to benchmarks/results/cpu_decode_native_smollm2_<machine>.json.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_cpu_decode import HF, hf_llama  # noqa: E402
 
 from trtllm_kivi import cpu as native  # noqa: E402
+from trtllm_kivi.bench import machine_info, machine_tag, portable_path  # noqa: E402
 from trtllm_kivi.cache import FullCache  # noqa: E402
 from trtllm_kivi.eval.corpus import load_play  # noqa: E402
 from trtllm_kivi.models import load_model, resolve_model  # noqa: E402
@@ -114,7 +114,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--torch-max-context", type=int, default=2048)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/cpu_decode_native_smollm2.json"))
+    ap.add_argument("--out", default=str(ROOT / f"benchmarks/results/cpu_decode_native_smollm2_{machine_tag()}.json"))
     args = ap.parse_args()
     if not native.available():
         print("native CPU library not built: run build_scripts/build_cpu_kernels.sh", file=sys.stderr)
@@ -128,14 +128,12 @@ def main() -> int:
     import transformers  # noqa: F401  (version recorded below)
 
     result = {
-        "benchmark": "cpu_decode_native", "model": cfg.name, "model_source": str(resolve_model(args.model)),
+        "benchmark": "cpu_decode_native", "model": cfg.name, "model_source": portable_path(resolve_model(args.model)),
         "weights_note": "GGUF Q4_1 weights dequantized to fp32 for every implementation",
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,
-                    "cpu_isa": native.load_library().resolve_isa("auto"), "python": sys.version.split()[0],
-                    "torch": torch.__version__, "transformers": hf_version,
-                    "load_average_1m_at_start": round(os.getloadavg()[0], 2),
-                    "note": "a shared machine: absolute numbers are noisy; per-step ratios (same moment) are the "
-                            "comparison"},
+        "machine": machine_info(threads=args.threads, cpu_isa=native.load_library().resolve_isa("auto"),
+                                transformers=hf_version, load_average_1m_at_start=round(os.getloadavg()[0], 2),
+                                note="a shared machine: absolute numbers are noisy; per-step ratios (same moment) "
+                                     "are the comparison"),
         "batch": 1, "dtype": "float32",
         "contexts": [run_context(model, hf, ids, c, args) for c in args.contexts],
     }

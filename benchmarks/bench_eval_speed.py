@@ -1,15 +1,16 @@
 """Wall time of the same `trtllm-kivi eval` command in two source trees (an older commit's checkout and this one),
 same machine, same run, alternating old/new per round; the ratio is the median of per-round ratios.
 
-    git worktree add --detach /work/wt/old13 ac7eb69       # the tree issue 13 was filed against
-    PYTHONPATH=. python benchmarks/bench_eval_speed.py --old-tree /work/wt/old13 [--rounds 1]
+    git worktree add --detach ../old-tree ac7eb69       # the older commit to compare with
+    PYTHONPATH=. python benchmarks/bench_eval_speed.py --old-tree ../old-tree [--rounds 1]
         [--eval-args "--segments 1 --passkey-lengths 256,1024 --passkey-depths 0.5 --passkey-fallback-lengths 1024"]
-    git worktree remove /work/wt/old13
+    git worktree remove ../old-tree
 
 Each run is `python -m trtllm_kivi.cli eval <eval-args> --json --no-progress` with PYTHONPATH set to its tree (so
 each imports its own trtllm_kivi; the new tree's native CPU library is found in its build/cpu/), default
 everything else (KV list, threads, attention backend). The eval's PPL per configuration is recorded on both sides
-(the new default backend must reproduce the old numbers within its tolerance). Writes JSON to benchmarks/results/.
+(the new default backend must reproduce the old numbers within its tolerance). Writes JSON to
+benchmarks/results/eval_speed_<machine>.json: each tree by its commit, never by its path.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -26,6 +26,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from trtllm_kivi.bench import machine_info, machine_tag  # noqa: E402
+
 DEFAULT_ARGS = "--segments 1 --passkey-lengths 256,1024 --passkey-depths 0.5 --passkey-fallback-lengths 1024"
 
 
@@ -61,7 +65,7 @@ def main() -> int:
     ap.add_argument("--new-tree", default=str(ROOT))
     ap.add_argument("--eval-args", default=DEFAULT_ARGS, help=f"arguments of both evals (default {DEFAULT_ARGS!r})")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/eval_speed_issue13.json"))
+    ap.add_argument("--out", default=str(ROOT / f"benchmarks/results/eval_speed_{machine_tag()}.json"))
     args = ap.parse_args()
     old, new = Path(args.old_tree).resolve(), Path(args.new_tree).resolve()
     eval_args = shlex.split(args.eval_args)
@@ -73,9 +77,8 @@ def main() -> int:
     load["end"] = os.getloadavg()
     ratios = [o["wall_s"] / n["wall_s"] for o, n in zip(rows["old"], rows["new"], strict=True)]
     res = {"benchmark": "eval_speed", "command": "trtllm-kivi eval " + args.eval_args,
-           "trees": {"old": {"path": str(old), "commit": git_head(old)}, "new": {"path": str(new),
-                                                                               "commit": git_head(new)}},
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]},
+           "trees": {"old": {"commit": git_head(old)}, "new": {"commit": git_head(new)}},
+           "machine": machine_info(),
            "rounds": args.rounds, "runs": rows,
            "median_wall_s": {k: statistics.median(r["wall_s"] for r in v) for k, v in rows.items()},
            "speedup_median_of_per_round_ratios": round(statistics.median(ratios), 3),

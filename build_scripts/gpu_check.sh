@@ -93,6 +93,11 @@ out, arch, b, t, bench, tb, tt, tbench, san, tsan = sys.argv[1:]
 out = Path(out)
 summary = {"arch": arch, "build_rc": int(b), "tests_rc": int(t), "bench_rc": int(bench), "sanitizer_rc": int(san),
            "seconds": {"build": int(tb), "tests": int(tt), "bench": int(tbench), "sanitizer": int(tsan)}}
+try:  # the commit, never the checkout's path: the summary is committed as a result
+    summary["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                           timeout=10).stdout.strip() or "unknown"
+except (OSError, subprocess.SubprocessError):
+    summary["git_commit"] = "unknown"
 try:
     summary["nvidia_smi"] = subprocess.run(
         ["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw",
@@ -131,7 +136,7 @@ if bench_json.exists():
                         "decode": [{k: r.get(k) for k in ("model", "batch", "context", "speedup_vs_fp16_mma",
                                                           "speedup_vs_sdpa_fp16", "kivi_fraction_of_copy_bw")}
                                    for r in rep.get("decode", [])],
-                        "quantize_gbps": rep.get("quantize", {}).get("gbps"), "file": str(bench_json)}
+                        "quantize_gbps": rep.get("quantize", {}).get("gbps"), "file": bench_json.name}
 (out / "gpu_check.json").write_text(json.dumps(summary, indent=1))
 print(json.dumps({k: v for k, v in summary.items() if k != "ptxas"}, indent=1))
 PYEOF

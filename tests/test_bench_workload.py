@@ -1,7 +1,7 @@
 """`trtllm-kivi bench` end to end on a tiny random-weight Llama checkpoint folder (config.json + safetensors + the
 default model's real tokenizer.json), and the workload driver / memory figures underneath.
 
-Oracles: each request's greedy tokens from the model engineer's runtime.generate.generate run alone; the FP16 and
+Oracles: each request's greedy tokens from runtime.generate.generate run alone; the FP16 and
 FP8 byte counts written out by hand (2 x layers x kv_heads x head_dim x tokens x bytes); format.kivi_total_bytes
 for KIVI (the format's own formula)."""
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -58,7 +59,8 @@ def test_prepare_and_throughput_cli_with_several_kv_specs(tiny, tmp_path, capsys
         assert run["streaming_metrics"]["avg_ttft_ms"] > 0 and run["streaming_metrics"]["avg_tpot_ms"] > 0
         assert run["memory"]["kv_cache_bytes_allocated"] > 0
     assert rep["runs"][1]["outputs_identical_to_baseline"]["of"] == 6
-    assert rep["machine"]["torch"] == torch.__version__
+    assert rep["machine"]["torch"] == torch.__version__ and rep["machine"]["cores"] == os.cpu_count()
+    assert rep["machine"]["cpu"] and rep["machine"]["git_commit"]  # the machine as what it is, and the commit
 
 
 def test_prepare_from_text_and_latency_cli(tiny, tmp_path):

@@ -5,6 +5,7 @@ arguments fail with a one-line error naming the value."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -46,6 +47,9 @@ def test_eval_json(ckpt, tmp_path, capsys):
     assert {c["length"] for c in pk["results"]["fp16"]} == {400} and set(pk["results"]) == {"fp16", "kivi2", "naive2"}
     assert (tmp_path / "q.json").is_file() and (tmp_path / "q.md").read_text().count("| kivi2 |") >= 1
     assert (tmp_path / "q_error_growth.png").read_bytes()[:4] == b"\x89PNG"
+    # provenance without the paths of this machine: files outside the repository by name, the machine as it is
+    assert res["model"]["source"] == model.name and res["corpus"]["file"] == text.name
+    assert res["machine"]["cores"] == os.cpu_count() and res["machine"]["git_commit"]
 
 
 @pytest.mark.parametrize("argv, match", [

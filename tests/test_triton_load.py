@@ -1,4 +1,4 @@
-"""Serving that holds (issue 14), on a real Triton Inference Server (the `tritonserver` of the PyPI wheel
+"""Serving that holds up, on a real Triton Inference Server (the `tritonserver` of the PyPI wheel
 nvidia-pytriton, python backend) on 127.0.0.1: load, cancellation, KV capacity pressure, metrics and SIGTERM.
 
 Oracle: the offline path in this process (the same model and KV spec through runtime.generate.generate, one request
@@ -6,7 +6,7 @@ alone on a fresh cache), token for token; the block arithmetic of DESIGN.md's st
 
 The load test is short in CI (8 streaming clients x 12 s against 4 slots, so requests queue);
 TRTLLM_KIVI_SERVING_LOAD=long runs 32 clients x 60 s, and TRTLLM_KIVI_SERVING_LOAD_REPORT=FILE writes its figures
-(benchmarks/results/serving_load.json was written that way). Runs with the serving env's Python, like
+(benchmarks/results/serving_load_epyc.json was written that way). Runs with the serving env's Python, like
 tests/test_triton_server.py (tests/test_triton_relay.py runs both from the dev venv).
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import platform
 import re
 import signal
 import threading
@@ -185,14 +184,14 @@ def _cases(tok, run) -> list[tuple[dict, list[int]]]:
 def _machine() -> dict:
     import importlib.metadata as md
 
-    with open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.processor())
+    from trtllm_kivi.bench.machine import machine_info
+
     versions = {}
-    for pkg in ("torch", "numpy", "nvidia-pytriton", "tritonclient"):
+    for pkg in ("numpy", "nvidia-pytriton", "tritonclient"):
         with contextlib.suppress(md.PackageNotFoundError):
             versions[pkg] = md.version(pkg)
-    return {"cpu": cpu, "cores": os.cpu_count(), "load_average_before": os.getloadavg()[0],
-            "python": platform.python_version(), "tritonserver": "2.51.0 (nvidia-pytriton 0.7.0)", **versions}
+    return machine_info(load_average_before=os.getloadavg()[0], tritonserver="2.51.0 (nvidia-pytriton 0.7.0)",
+                        **versions)
 
 
 def test_load_many_streaming_clients(server, offline):
@@ -218,9 +217,8 @@ def test_load_many_streaming_clients(server, offline):
                   "kv": "kivi2 R=32 G=32", "server_threads": 1, "sse_clients": CLIENTS // 4,
                   "cases": [c[0] for c in cases], "machine": machine,
                   "note": "CPU only. duration_s: first request to last response (clients send for send_window_s, "
-                          "then the queued requests finish); TTFT includes queueing behind 4 slots. This machine's "
-                          "2 cores were shared with other jobs (see load_average_*), so latencies are far above an "
-                          "idle machine's"}
+                          "then the queued requests finish); TTFT includes queueing behind 4 slots. On a shared "
+                          "machine (see load_average_*) latencies are far above an idle machine's"}
         with open(out, "w") as f:
             json.dump(report, f, indent=2)
             f.write("\n")

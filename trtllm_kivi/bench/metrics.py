@@ -9,19 +9,8 @@ output tokens / total latency; total token throughput = (input + output tokens) 
 from __future__ import annotations
 
 import math
-import platform
 from dataclasses import dataclass
 from collections.abc import Sequence
-
-def cpu_model() -> str:
-    """The CPU's model name for benchmark reports (Linux /proc/cpuinfo; platform.processor() is empty there)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        return cpu
-
 
 PERCENTILE_KEYS = ("minimum", "maximum", "average", "p50", "p90", "p95", "p99")
 

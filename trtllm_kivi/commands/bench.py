@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -116,12 +114,9 @@ def _prepare(args: argparse.Namespace) -> int:
 def _machine() -> dict:
     import torch
 
-    from ..bench import cpu_model
+    from ..bench import machine_info
 
-    return {"platform": platform.platform(), "processor": cpu_model(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    return machine_info(torch_threads=torch.get_num_threads())
 
 
 def _runners(args: argparse.Namespace, max_seq_len: int):
@@ -130,14 +125,14 @@ def _runners(args: argparse.Namespace, max_seq_len: int):
         from ..runtime.build_folder import BuildFolder
         from ..runtime.select import load_runner
 
-        kv = flags.kv_for_build(args, BuildFolder.open(args.engine).info.kivi)
+        kv = flags.kv_spec(args, build=BuildFolder.open(args.engine).info.kivi)
         runner, why = load_runner(args.engine, threads=args.threads)
         yield f"engine:{kv.name}", why, runner
         return
     from ..models import load_model
     from ..runtime.torch_runner import TorchRunner
 
-    specs = [flags.kv_from_args(args, s) for s in flags.kv_names(args)]  # validate all before the model load
+    specs = flags.kv_specs(args)  # validate all before the model load
     model, _tok, cfg = load_model(args.model, args.dtype, args.device)
     if max_seq_len > cfg.max_seq_len:
         raise ValueError(f"the dataset needs {max_seq_len} tokens per sequence; the model's context is "

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -85,7 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from ..models import load_model, resolve_model
+    from ..bench.machine import machine_info, portable_path
+    from ..models import load_model
     from ..eval import corpus
     from ..eval.quality import QualitySetup, evaluate_quality
     from ..eval.report import markdown_report
@@ -95,13 +95,12 @@ def run(args: argparse.Namespace) -> int:
     bad = [t for t in tasks if t not in TASKS]
     if bad or not tasks:
         raise ValueError(f"--tasks {args.tasks!r}: unknown {bad}; allowed: {', '.join(TASKS)}")
-    names = flags.kv_names(args)
-    if getattr(args, "kv_config", None) and args.reference not in names:  # evaluate the file's recipe vs the reference
-        names = [args.reference, *names]
-    specs = {n: flags.kv_from_args(args, n) for n in names}  # validates every name before any work
+    specs = {s.name: s for s in flags.kv_specs(args)}  # every name parsed and validated before any work
+    if args.kv_config and args.reference not in specs:  # evaluate the file's recipe against the reference
+        specs = {s.name: s for s in flags.kv_specs(args, kv=args.reference)} | specs
     backend = "reference" if args.no_memo else args.attention_backend
     if args.reference not in specs:
-        raise ValueError(f"--reference {args.reference!r} must be one of --kv {names}")
+        raise ValueError(f"--reference {args.reference!r} must be one of --kv {list(specs)}")
     flags.set_threads(args.threads)
     setup = QualitySetup(args.segments, args.segment_len, args.prefix, 32, args.offset, args.batch)
     lengths, depths = _ints(args.passkey_lengths), _floats(args.passkey_depths)
@@ -113,16 +112,14 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     model, tok, cfg = load_model(args.model, args.dtype)
     if args.text:
-        text, text_info = Path(args.text).read_text(encoding="utf-8"), {"file": str(args.text)}
+        text, text_info = Path(args.text).read_text(encoding="utf-8"), {"file": portable_path(args.text)}
     else:
         text, text_info = corpus.load_corpus(), corpus.describe()
     ids = tok.encode(text, add_special_tokens=False)
-    result = {"model": {"name": cfg.name, "source": str(resolve_model(args.model)), "dtype": args.dtype,
-                        "max_seq_len": cfg.max_seq_len, "n_layers": cfg.n_layers},
+    result = {"model": _model_info(args, cfg),
               "corpus": text_info | {"tokens": len(ids)},
               "kv": {n: s.describe() for n, s in specs.items()},
-              "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
-                          "torch": torch.__version__, "threads": torch.get_num_threads()},
+              "machine": machine_info(threads=torch.get_num_threads()),
               "attention_backend": backend}
     show = not args.no_progress
     if "passkey" in tasks:  # built first: a bad length fails before any scoring
@@ -177,14 +174,24 @@ def _write(args, result: dict, specs) -> None:
     (out / f"{args.name}.md").write_text(md)
 
 
+def _model_info(args: argparse.Namespace, cfg) -> dict:
+    """The model record of a result file (its file as a package's or the repository's, never a machine's path)."""
+    from ..bench.machine import portable_path
+    from ..models import resolve_model
+
+    return {"name": cfg.name, "source": portable_path(resolve_model(args.model)), "dtype": args.dtype,
+            "max_seq_len": cfg.max_seq_len, "n_layers": cfg.n_layers}
+
+
 def _load(args: argparse.Namespace):
     """(model, tokenizer, model config, token ids, text provenance) of --model and --text / the built-in corpus."""
+    from ..bench.machine import portable_path
     from ..eval import corpus
     from ..models import load_model
 
     model, tok, cfg = load_model(args.model, args.dtype)
     if args.text:
-        text, text_info = Path(args.text).read_text(encoding="utf-8"), {"file": str(args.text)}
+        text, text_info = Path(args.text).read_text(encoding="utf-8"), {"file": portable_path(args.text)}
     else:
         text, text_info = corpus.load_corpus(), corpus.describe()
     return model, tok, cfg, tok.encode(text, add_special_tokens=False), text_info
@@ -192,11 +199,12 @@ def _load(args: argparse.Namespace):
 
 def _fingerprint(args: argparse.Namespace, specs: dict, setup, text_info: dict) -> dict:
     """What a cached per-segment result depends on (the shared chunk plan depends on the flush points)."""
+    from ..bench.machine import portable_path
     from ..models import resolve_model
 
     flush = sorted({(s.kivi.sink_tokens + s.kivi.residual_length, s.kivi.group_size)
                     for s in specs.values() if s.kivi})
-    return {"model": str(resolve_model(args.model)), "dtype": args.dtype, "text": text_info,
+    return {"model": portable_path(resolve_model(args.model)), "dtype": args.dtype, "text": text_info,
             "segment_len": setup.segment_len, "prefix": setup.prefix, "offset": setup.offset,
             "flush": [list(f) for f in flush], "passkey_seed": args.passkey_seed, "memo": not args.no_memo}
 
@@ -252,6 +260,7 @@ def _run_recommend(args: argparse.Namespace, setup) -> int:
 def _run_recipes(args: argparse.Namespace, specs: dict, setup, tasks: list[str], lengths: list[int],
                  depths: list[float]) -> int:
     """--recipes: the resumable recipe table (eval/recipes.py)."""
+    from ..bench.machine import machine_info
     from ..eval.recipes import ResultCache, passkey_cells, recipe_markdown, recipe_table, score_segments
     from ..eval.suite import passkey_prompts
     from ..models import resolve_model
@@ -277,11 +286,9 @@ def _run_recipes(args: argparse.Namespace, specs: dict, setup, tasks: list[str],
         print(json.dumps(pk, indent=1))
         return 0
     table = recipe_table(specs, segs, cfg.geometry, args.reference, setup, pk, args.bootstrap)
-    table |= {"model": {"name": cfg.name, "source": str(resolve_model(args.model)), "dtype": args.dtype,
-                        "max_seq_len": cfg.max_seq_len, "n_layers": cfg.n_layers},
+    table |= {"model": _model_info(args, cfg),
               "corpus": text_info | {"tokens": len(ids)}, "kv": {n: s.describe() for n, s in specs.items()},
-              "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
-                          "torch": torch.__version__, "threads": torch.get_num_threads()},
+              "machine": machine_info(threads=torch.get_num_threads()),
               "seconds_this_run": round(time.time() - t0, 1)}
     title = (f"{cfg.name} ({Path(str(resolve_model(args.model))).name}; GGUF Q4_1 weights dequantized to "
              f"{args.dtype}, 8K context), {setup.segments} segments x {setup.segment_len} tokens of "

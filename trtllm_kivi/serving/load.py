@@ -1,8 +1,9 @@
 """A bounded load run against a served model on 127.0.0.1: `clients` concurrent streaming clients (gRPC streams, and
 every `sse_every`-th one over HTTP SSE) send requests back to back for `duration_s` seconds; every output is
 compared with the expected one (the offline runner's, computed by the caller); the server's RSS (server + stubs) is
-sampled; TTFT and inter-token latency percentiles are reported. Used by tests/test_triton_load.py (short, in CI) and
-benchmarks/bench_serving_load.py (long, writes benchmarks/results/serving_load.json)."""
+sampled; TTFT and inter-token latency percentiles are reported. Used by tests/test_triton_load.py: short in CI, long
+with TRTLLM_KIVI_SERVING_LOAD=long, which writes benchmarks/results/serving_load_<machine>.json when
+TRTLLM_KIVI_SERVING_LOAD_REPORT names it."""
 
 from __future__ import annotations
 
