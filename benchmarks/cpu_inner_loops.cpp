@@ -7,7 +7,7 @@
 // imul chain (3 cycles per imul on Intel and AMD cores; a dependent add-immediate chain runs faster than 1 per cycle
 // on Golden Cove-class cores, which eliminate such adds at rename: it read 11.8 GHz on a 3 GHz Xeon). On a CPU with AVX-512 VNNI + VBMI the avx512vnni loops are timed too
 // (cpu_inner_loops_vnni.cpp: keyTileDot8 / valueSpanDot8, with their count of 512-bit vpdpbusd per tile; Zen 4 issues
-// one per cycle). Prints JSON (benchmarks/results/cpu_inner_loops_avx2.json, cpu_inner_loops_zen4.json):
+// one per cycle). Prints JSON (benchmarks/results/cpu_inner_loops_<machine>.json, e.g. _epyc-avx2, _zen4, _xeon):
 //
 //   bash build_scripts/build_cpu_kernels.sh --bench && build/cpu/kivi_cpu_inner_loops
 #include "kiviCpuIsaAvx2Denormal.cpp" // the avx2 kernels and the avx2denormal ones (same S, same flags)

@@ -2,9 +2,10 @@
 // the quantized-key scores of one 16-token tile (keyTileDot8, row blocks of 4 as Attn::scoresPerChannel) and the
 // 2-bit value accumulation over a 512-token split (valueSpanDot8 per 32-channel block, row blocks of 4 as
 // Attn::valuesAccumulateDot8), on L1-resident scratch. Compiled with the path's own -m flags (CMakeLists.txt);
-// main() calls it only when the CPU reports avx512vnni and avx512vbmi. Until stop 34 g++ 12 kept keyTileDot8's
-// accumulators in memory here (its inline-asm vpdpbusd took them by reference), unlike inside the kernel's
-// scoresPerChannel, so the keys number of stops 30-33 overstated the kernel's loop (D 128, 4 rows: 603 vs 427).
+// main() calls it only when the CPU reports avx512vnni and avx512vbmi. keyTileDot8's inline-asm vpdpbusd must take
+// its accumulator by value: by reference, g++ 12 keeps the accumulators in memory here (not inlined), unlike inside
+// the kernel's scoresPerChannel, and the keys number overstates the kernel's loop (D 128, 4 rows: 603 vs 427 cycles
+// per tile; tests/test_cpu_native.py checks the kernel's disassembly for it).
 #include "kiviCpuIsaAvx512Vnni.cpp"
 #include "cpu_inner_loops_timer.h"
 #include <cstdlib>

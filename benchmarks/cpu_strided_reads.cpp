@@ -2,12 +2,12 @@
 // either contiguous (stride 2048) or 2 KiB apart from each other as one KV head's blocks are in a [block][Hkv][...]
 // store (stride 6144 = SmolLM2's 3 heads), with optional FMA work per 32 bytes and optional software prefetch.
 //
-//   g++ -O2 -mavx2 -mfma -o /tmp/strided benchmarks/cpu_strided_reads.cpp
-//   /tmp/strided MODE WORK [BYTES] [STRIDE]
+//   g++ -O2 -mavx2 -mfma -o build/strided benchmarks/cpu_strided_reads.cpp
+//   build/strided MODE WORK [BYTES] [STRIDE]
 //     MODE 0: no prefetch; 1: prefetcht1 the next split at its start; 2: the same with prefetcht0;
 //          3: prefetcht1 one piece of the next split per piece processed.  WORK: 8-wide FMA chains x WORK per 32 bytes
 //     (0: reads only). BYTES: buffer size (default 512 MiB; a small one gives the compute time alone).
-// Prints ns per split and GB/s. On the development VM (AMD EPYC Zen 3): MODE 0 WORK 0 reads 8.7 GB/s contiguous and
+// Prints ns per split and GB/s. On a 2-core AMD EPYC Zen 3: MODE 0 WORK 0 reads 8.7 GB/s contiguous and
 // 3.3 GB/s strided; with WORK 4 strided takes about memory + compute time, contiguous about the compute time.
 #include <immintrin.h>
 #include <chrono>

@@ -118,7 +118,7 @@ CONFIGS = [  # (cfg, H, Hkv, D, dtype)
                 scale_dtype="float32"), 9, 3, 64, torch.float32),
     (KiviConfig(k_bits=2, v_bits=2, residual_length=40), 8, 1, 128, torch.float16),
     (KiviConfig(k_bits=4, v_bits=4, key_grouping="per_token", group_size=64), 4, 2, 64, torch.bfloat16),
-    # sinks (issue 11): split 0 is [0, S + split_len), so an S that is not a tile multiple shifts every store index
+    # sinks: split 0 is [0, S + split_len), so an S that is not a tile multiple shifts every store index
     (KiviConfig(sink_tokens=4), 6, 2, 64, torch.float32),
     (KiviConfig(k_bits=4, v_bits=2, group_size=64, residual_length=64, sink_tokens=128), 8, 2, 128, torch.float16),
     (KiviConfig(k_bits=8, v_bits=2, key_grouping="per_token", residual_length=32, sink_tokens=7), 4, 2, 64,
@@ -215,7 +215,7 @@ def test_key_outlier_groups(mult, scale_dtype, isa) -> None:
     bound the outlier groups and keep the others within the tolerance; x1000 for every scale dtype (S::keyScaleMax
     reads the scales' bit patterns: a misread maximum lets the outliers' digits overflow). x10 only with fp16 scales:
     its scores are O(10), outside _tol's O(1) assumption, and every path's error is 0.4-0.9 of the tolerance there
-    (avx512vnni with bf16 scales 1.03, also before stop 38)."""
+    (avx512vnni with bf16 scales 1.03)."""
     run = Run(KiviConfig(residual_length=32, scale_dtype=scale_dtype), 6, 2, 64, torch.float32, slots=1, seed=3)
     q, k, v = run.inputs([700])
     k[:32] *= mult
@@ -490,9 +490,10 @@ def test_library_metadata() -> None:
                     reason="binutils (objdump, nm) not installed")
 def test_dot_product_accumulators_stay_in_registers() -> None:
     """The avx512vnni path's integer dot-product loops (keyTileDot8 inside scoresPerChannel<2>, valueSpanDot8) keep
-    their accumulators in registers: no vpdpbusd result is stored to the stack right after it. Reference: stop 33's
-    disassembly, where g++ 12 kept an inlined valueSpanDot8's accumulator array in memory (a store after every
-    vpdpbusd, 1.2x the op's time); the kernel sidesteps it (valueSpanDot8 not inlined), and this catches a return."""
+    their accumulators in registers: no vpdpbusd result is stored to the stack right after it. g++ 12 keeps an
+    inlined valueSpanDot8's accumulator array in memory (a store after every vpdpbusd, 1.2x the op's time), and a
+    by-reference accumulator does the same in keyTileDot8; the kernel sidesteps both (valueSpanDot8 not inlined, the
+    accumulator passed by value), and this catches a return."""
     so = str(LIB.path)
     asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", so], capture_output=True, text=True, check=True)
     spill = re.compile(r"vmovdq[au](?:32|64)\s+%(zmm\d+),-?(?:0x[0-9a-f]+)?\(%r[sb]p")
@@ -517,9 +518,9 @@ def test_dot_product_accumulators_stay_in_registers() -> None:
                     reason="binutils (objdump, nm) not installed")
 def test_key_prefetch_is_compiled_in() -> None:
     """Every ISA's per-channel key scoring (scoresPerChannel) issues its software prefetches. Reference: the source's
-    prefetchKeyGroup calls; GCC 12 deleted them (a function whose only effects are prefetches, taken as side-effect free) until
-    the helpers were made always_inline, which left the keys waiting on DRAM (stop 30). Since stop 31 the function also
-    holds prefetchValues (3 prefetch instructions, one per loop: codes, scales, zeros), so the key group's own (scales,
+    prefetchKeyGroup calls; GCC 12 deletes them unless the helpers are always_inline (a function whose only effects
+    are prefetches is taken as side-effect free), which leaves the keys waiting on DRAM. The function also holds
+    prefetchValues (3 prefetch instructions, one per loop: codes, scales, zeros), so the key group's own (scales,
     zeros, codes: at least 3 more) are counted: a build with prefetchKeyGroup deleted again has exactly 3."""
     so = str(LIB.path)
     syms = subprocess.run(["nm", "-S", "--defined-only", so], capture_output=True, text=True, check=True).stdout

@@ -1,5 +1,5 @@
-"""Continuous-batching scheduler (trtllm_kivi/runtime/scheduler.py) on a small random-weight Llama (the model
-engineer's LlamaModel + TorchRunner) with the real default-model tokenizer.
+"""Continuous-batching scheduler (trtllm_kivi/runtime/scheduler.py) on a small random-weight Llama
+(LlamaModel + TorchRunner) with the real default-model tokenizer.
 
 Oracle for every batching test: the same request run alone on a fresh runner (one slot, nothing else in the cache),
 with the same prefill chunking. Interleaving, slot reuse and KIVI flushes (G=32, R=16: flush points 48, 80, ...)

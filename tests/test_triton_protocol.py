@@ -148,7 +148,7 @@ def test_triton_command_writes_the_repository(tmp_path, capsys):
     assert "is not a trtllm-kivi build folder" in capsys.readouterr().err and not (tmp_path / "r3" / "trtllm_kivi").exists()
 
 
-def test_serving_config_validation():
+def test_serving_config_validation(tmp_path):
     with pytest.raises(ValueError, match="exactly one of model"):
         ServingConfig()
     with pytest.raises(ValueError, match="max_slots=0 must be an integer >= 1"):
@@ -156,7 +156,8 @@ def test_serving_config_validation():
     with pytest.raises(ValueError, match=r"unknown serving config fields \['oops'\]"):
         ServingConfig.from_json('{"model": "x", "oops": 1}')
     with pytest.raises(ValueError, match="must match"):
-        write_repository("/tmp/unused", ServingConfig(model="x"), name="bad name")
+        write_repository(tmp_path / "repo", ServingConfig(model="x"), name="bad name")
+    assert not (tmp_path / "repo").exists()  # refused before anything is written
 
 
 def test_client_types_follow_the_protocol_and_metrics_parse():

@@ -1,8 +1,8 @@
 """A real Triton Inference Server (the `tritonserver` of the PyPI wheel nvidia-pytriton, python backend) serving the
 default model from a repository written by `trtllm-kivi triton`, on 127.0.0.1, queried with tritonclient.
 
-Oracle: the offline path in this process — the same model and KV cache spec through the model engineer's
-runtime.generate.generate (greedy, or seeded sampling), token for token.
+Oracle: the offline path in this process — the same model and KV cache spec through runtime.generate.generate
+(greedy, or seeded sampling), token for token.
 
 Runs with the serving env's Python (numpy<2, tritonclient), which build_scripts/setup_triton_env.sh makes:
     ENV=$(bash build_scripts/setup_triton_env.sh | tail -1)
@@ -248,7 +248,7 @@ MALFORMED = [
     ({"text_input": ["hi"], "max_tokens": np.array([2.5], np.float32)},
      "data-type is 'FP32', but model 'trtllm_kivi' expects 'INT64'"),
     ({"text_input": ["hi"], "bogus": [1]}, "unexpected inference input 'bogus'"),
-    # issue 14: the shape config.pbtxt declares is the one the model parses; large integers are not truncated
+    # the shape config.pbtxt declares is the one the model parses; large integers are not truncated
     ({"input_ids": [[1, 2, 3]]}, r"unexpected shape for input 'input_ids' for model 'trtllm_kivi'. Expected \[-1\], "
                                  r"got \[1,3\]"),
     ({"text_input": ["hi"], "max_tokens": [2**40]}, r"max_tokens=1099511627776 must be in \[1, 160\]"),
@@ -289,7 +289,7 @@ def test_http_generate_endpoint(server, offline):
 
 
 def test_http_generate_plain_request(server, offline):
-    """Issue 14 (2): the obvious request -- no "stream" key -- gets one JSON response with the whole output."""
+    """The obvious request -- no "stream" key -- gets one JSON response with the whole output."""
     tok, run = offline
     ref = run(tok.encode(PROMPTS[2]), max_new_tokens=12)
     r = http_generate(server.http_url, MODEL, {"text_input": PROMPTS[2], "max_tokens": 12})
@@ -297,7 +297,7 @@ def test_http_generate_plain_request(server, offline):
     assert r.ids == ref.tokens and r.text == ref.text and r.finish == "length"
 
 
-HTTP_MALFORMED = [  # issue 14 (1), (4), (5) over the HTTP generate endpoint: status and message
+HTTP_MALFORMED = [  # unknown inputs, out-of-range values, prompts past capacity over HTTP generate: status, message
     ({"text_input": "hi", "bogus": 1}, 400, r"invalid request: unknown inputs \['bogus'\]; accepted: \['input_ids', "),
     ({"text_input": "hi", "temprature": 0.5, "max_tokens": 4}, 400, r"unknown inputs \['temprature'\]"),
     ({"text_input": "hi", "max_tokens": 2**40}, 400, r"max_tokens=1099511627776 must be in \[1, 160\]"),
@@ -320,7 +320,7 @@ def test_http_generate_refuses_bad_requests(server, body, status, match):
 
 
 def test_http_input_ids_shape_agrees_with_config(server, offline):
-    """Issue 14 (3): config.pbtxt declares input_ids dims [-1] and the model parses exactly that: [n] works over
+    """config.pbtxt declares input_ids dims [-1] and the model parses exactly that: [n] works over
     HTTP and gRPC, [1, n] is refused before the model (by Triton's shape check, naming the input)."""
     tok, run = offline
     ids = tok.encode(PROMPTS[3])
@@ -333,7 +333,7 @@ def test_http_input_ids_shape_agrees_with_config(server, offline):
 
 
 def test_grpc_unknown_parameters_are_refused(server):
-    """Issue 14 (1) over gRPC: a request parameter the model does not take is refused like an unknown input."""
+    """Over gRPC, a request parameter the model does not take is refused like an unknown input."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
     q: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))

@@ -74,7 +74,7 @@ import numbers
 import sys
 from dataclasses import dataclass
 
-FORMAT_VERSION = 3  # 2: sink_tokens + per-layer K/V rotation (issue 11); 3: fragment-order codes (issue 12)
+FORMAT_VERSION = 3  # 2: sink_tokens + per-layer K/V rotation; 3: fragment-order codes (the CUDA kernels' layout)
 
 SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)

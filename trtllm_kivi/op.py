@@ -30,8 +30,9 @@ PLUGIN_NAMESPACE = "trtllm_kivi"
 DOMAIN = PLUGIN_NAMESPACE  # ONNX custom-op domain of the KiviAttention nodes
 OPSET = 18  # the default-domain opset of exported graphs
 
-# Issue 11's format options as plugin fields. The op is rotation-agnostic (rotation is applied in the graph): the
-# codes only record the format of this layer's cache, so a rotated cache is never read unrotated.
+# The sink and rotation format options (FORMAT_VERSION 2) as plugin fields. The op is rotation-agnostic (rotation is
+# applied in the graph): the codes only record the format of this layer's cache, so a rotated cache is never read
+# unrotated.
 ROTATIONS = SUPPORTED_ROTATIONS  # k_rotation / v_rotation codes 0, 1 (format.py; MAX_SINK_TOKENS too)
 
 

@@ -215,7 +215,7 @@ public:
     }
 
 private:
-    static constexpr int64_t kSPIN_MIN_NS = 25000;  // ~2000 pauses: the fixed spin until stop 37
+    static constexpr int64_t kSPIN_MIN_NS = 25000;  // ~2000 pauses: the shortest spin, and the one after a long gap
     static constexpr int64_t kSPIN_MAX_NS = 250000;
 
     void drain(int tid)

@@ -260,10 +260,10 @@ struct S
 
     // acc += codes . broadcast(*d) (vpdpbusd with an embedded {1to16} broadcast): g++ 12 neither folds
     // _mm512_set1_epi32(*d) into the instruction nor keeps loop-carried accumulators in place (it copies every one
-    // of them each iteration), which doubles the front end's work in keyTileDot8 (Zen 4 A/B, stop 33: Llama-3-8B
-    // geometry 0.97x the op's time). The accumulator goes in and out by value, as an intrinsic's: with a reference
-    // operand (stop 33) g++ 12 kept the accumulator array in memory wherever the loop was not inlined into
-    // scoresPerChannel (stop 34: cpu_inner_loops_vnni.cpp's keyTileDot8, D 128, 4 rows, 603 -> 427 cycles per tile).
+    // of them each iteration), which doubles the front end's work in keyTileDot8 (Zen 4 A/B: Llama-3-8B geometry
+    // 0.97x the op's time with this asm). The accumulator must go in and out by value, as an intrinsic's: with a
+    // reference operand g++ 12 keeps the accumulator array in memory wherever the loop is not inlined into
+    // scoresPerChannel (cpu_inner_loops_vnni.cpp's keyTileDot8, D 128, 4 rows: 603 cycles per tile against 427).
     static __m512i dpbusdBcast(__m512i acc, __m512i codes, const int32_t* d)
     {
         asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*d));
@@ -350,12 +350,12 @@ struct S
 
     // The key digits' fixed-point scale of NR <= 4 rows for the key groups of one block (qf: the rows' q / sqrt(D),
     // stride D; smax: keyScaleMax over the block's groups, finite): F_i = max_d |qf_id| smax_d bounds |qf * scale| in
-    // each of them, so one inverse serves them all (until stop 31 F was found per group: a max pass and a division per
-    // 32 tokens). A group whose products are far below the block's largest gets the block's step, F 2^-22: the score
+    // each of them, so one inverse serves them all (an F per group would cost a max pass and a division per 32
+    // tokens). A group whose products are far below the block's largest gets the block's step, F 2^-22: the score
     // error bound stays D 1.5 F 2^-22, absolute (test_key_outlier_groups). qi = qf 2^22 / F_i, rec[i] = F_i 2^-22.
     // False (the fp32 path) when a q is not finite, a product overflows, an F is too small to invert, or a q * 2^22 / F
     // overflows (a channel whose scales are all 0 bounds nothing). qmax (Attn::loadQ: max_d |qf_id|, NaN if a q is not
-    // finite) makes these per-row scalar checks (a compare per vector until stop 38): with q and smax finite no product
+    // finite) makes these per-row scalar checks (not a compare per vector): with q and smax finite no product
     // is NaN, so an overflow shows in F, and |qf_d| / F <= qmax / F.
     template <int D, int NR>
     static bool keyBlockScale(const float* qf, const float* smax, const float* qmax, float* qi, float* rec)
@@ -519,7 +519,7 @@ struct S
     // group; one rounding), zacc[i 8 + gi] += sum_t p_t zero_e; dig + i digStride: [(gi kSPLIT_LEN / 16 + tile) 16 + 4 k + tq]
     // (dwords), byte b = token 16 tile + 8 (b >> 1) + 2 tq + (b & 1). p: row 0's p of the block's first token (row
     // stride pStride). A NaN p (a NaN score) makes garbage digits, in its row only: that row's softmax sum is NaN,
-    // so its output is NaN, as the reference's (until stop 38 a NaN sent the head's span to the fp32 path).
+    // so its output is NaN, as the reference's: no NaN check is needed here.
     // EXP: p holds the scores s and the softmax numerators are made here, p = exp(s - m[i]) (the bits softmaxRows
     // would store), l[i] += their sum: the exp pass's store and reload of every p are saved.
     template <int NR, int NG, bool EXP>
@@ -607,7 +607,7 @@ struct S
     // each) for channels [32 j, 32 j + 32): lanes = 16 channels, a lane's 4 bytes = tokens (2 tq, + 1, + 8, + 9)
     // against their digits. dig[i]: row i's valueCoefDigits of this channel group. One pass per 16-channel half q2:
     // NR 3 kDOT8_DIGITS accumulators (NR <= 4) stay in registers. Not inlined: inlined into splitPartial, g++ 12
-    // kept the accumulator array in memory (stop 33: a store after every vpdpbusd, 1.2x the op's time).
+    // keeps the accumulator array in memory (a store after every vpdpbusd, 1.2x the op's time).
     // test_dot_product_accumulators_stay_in_registers checks the build.
     template <int D, int NR>
     __attribute__((noinline)) static void valueSpanDot8(

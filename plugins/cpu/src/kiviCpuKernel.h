@@ -233,8 +233,8 @@ struct Attn
     // Software prefetch (into L2) of head g's key group at row r of physical block blk: its scales, zeros and code
     // tiles. The hardware prefetchers see short streams (one (block, head) at a time) and start too late.
     // always_inline, as every prefetch helper here: GCC 12 treats a function whose only effects are __builtin_prefetch
-    // as free of side effects and deletes its calls (cddce1; until stop 30 this one was never called:
-    // scoresPerChannel held no prefetch instruction in any ISA).
+    // as free of side effects and deletes its calls (the cddce1 pass; scoresPerChannel then holds no prefetch
+    // instruction in any ISA; test_key_prefetch_is_compiled_in checks the build).
     template <int BITS>
     __attribute__((always_inline)) static inline void prefetchKeyGroup(const Ctx& c, int g, int32_t blk, int r)
     {
@@ -263,7 +263,7 @@ struct Attn
 
     // Software prefetch (into L2) of head g's values at rows [r, r + n) of physical block blk (whole tiles): codes,
     // scales, zeros. Issued with each key group (scoresPerChannel), so the values pass of the split finds them in L2;
-    // until stop 31 a whole block's at once, whose prefetch loop then took 13% of splitPartial's samples (perf, Zen 4).
+    // not a whole block's at once: such a prefetch loop took 13% of splitPartial's samples (perf, Zen 4).
     __attribute__((always_inline)) static inline void prefetchValues(const Ctx& c, int g, int32_t blk, int r, int n)
     {
         const int64_t row0 = (int64_t(blk) * c.Hkv + g) * c.BS + r;
@@ -984,7 +984,7 @@ struct Attn
     // The partials (m, l, acc[D]) of every row of a tile over split `split` for KV heads [g0, g1), into hs[g - g0].part.
     // Quantized keys are read block by block and, within a block, head by head: the store keeps a block's heads
     // adjacent ([block][Hkv][...]), so every buffer is walked forward (one head at a time read 2 KB pieces Hkv apart:
-    // measured 16% slower, stop 21); the key groups prefetch the values into L2, which are then staged and summed head
+    // measured 16% slower); the key groups prefetch the values into L2, which are then staged and summed head
     // by head (step 3). A head's arithmetic does not depend on g0, g1 (decode passes every head, prefill tiles one),
     // so the bits do not either.
     static void splitPartial(const Ctx& c, const SeqPlan& sp, int g0, int g1, int pos0, int npos, int split,
