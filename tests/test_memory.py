@@ -112,7 +112,7 @@ def test_kivi_knobs(capsys):
     (["--group-size", "48"], r"group_size=48 is not supported; allowed: 32, 64, 128"),
     (["--block-size", "48"], r"block_size=48 must be a positive multiple of group_size=32"),
     (["--scale-dtype", "int8"], r"scale_dtype='int8' is not supported"),
-    (["--kv", "fp16"], r"--kv fp16: the calculator compares FP16 and FP8 with a KIVI cache"),
+    (["--kv", "fp16"], r"--kv 'fp16': the calculator \(it compares FP16 and FP8 with a KIVI cache\) needs a KIVI"),
     (["--preset", "llama-2-7b", "--layers", "2"], r"give one of --preset, --config or --layers"),
     (["--layers", "2", "--kv-heads", "2"], r"explicit geometry needs --layers, --kv-heads and --head-dim"),
     (["--layers", "2", "--kv-heads", "2", "--head-dim", "80"], r"head_dim=80 must be a positive multiple of 32"),

@@ -109,11 +109,12 @@ def test_recommend_cli_writes_a_config_that_run_accepts(synthetic, tmp_path):
     assert spec.kivi.k_rotation_of(0) == "none" and spec.kivi.residual_length == 32
     import argparse
 
-    from trtllm_kivi.commands.flags import add_kv, kv_from_args
+    from trtllm_kivi.commands.flags import add_kv, kv_spec
     p = argparse.ArgumentParser()
     add_kv(p)
-    assert kv_from_args(p.parse_args(["--kv-config", str(cfg_path)])).kivi == spec.kivi
-    with pytest.raises(ValueError, match=r"--kv kivi4 conflicts with --kv-config .* \(kv "):
-        kv_from_args(p.parse_args(["--kv-config", str(cfg_path), "--kv", "kivi4"]))
-    with pytest.raises(ValueError, match=r"--residual-length 64 conflicts with --kv-config .*residual_length=32"):
-        kv_from_args(p.parse_args(["--kv-config", str(cfg_path), "--residual-length", "64"]))
+    assert kv_spec(p.parse_args(["--kv-config", str(cfg_path)])).kivi == spec.kivi
+    with pytest.raises(ValueError, match=r"--kv 'kivi4' \(.*\) contradicts --kv-config .* \(kv "):
+        kv_spec(p.parse_args(["--kv-config", str(cfg_path), "--kv", "kivi4"]))
+    with pytest.raises(ValueError, match=r"--residual-length 64 contradicts --kv-config .* \(residual_length=32\); "
+                       r"give one of them"):
+        kv_spec(p.parse_args(["--kv-config", str(cfg_path), "--residual-length", "64"]))

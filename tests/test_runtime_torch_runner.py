@@ -13,7 +13,7 @@ from trtllm_kivi.cache import CacheCapacityError, FullCache, KiviCache
 from trtllm_kivi.format import Geometry, KiviConfig, dense_bytes_per_token, kivi_total_bytes
 from trtllm_kivi.models import LlamaModel, ModelConfig
 from trtllm_kivi.runtime.base import Runner
-from trtllm_kivi.commands.flags import add_kv, kv_for_build, kv_from_args
+from trtllm_kivi.commands.flags import add_kv, kv_spec, kv_specs
 from trtllm_kivi.runtime.kvspec import parse_kv
 from trtllm_kivi.runtime.torch_runner import TorchRunner
 
@@ -132,10 +132,10 @@ def test_cli_arguments():
     p = argparse.ArgumentParser()
     add_kv(p)
     args = p.parse_args(["--kv", "k4v2", "--group-size", "64", "--residual-length", "32"])
-    spec = kv_from_args(args)
+    spec = kv_spec(args)
     assert (spec.kivi.k_bits, spec.kivi.v_bits, spec.kivi.group_size, spec.kivi.residual_length) == (4, 2, 64, 32)
-    assert kv_from_args(p.parse_args([])).name == "kivi2"
-    assert kv_from_args(args, "naive8").kivi.key_grouping == "per_token"
+    assert kv_spec(p.parse_args([])).name == "kivi2"
+    assert kv_specs(args, kv="naive8")[0].kivi.key_grouping == "per_token"
 
 
 def test_kv_flags_that_contradict_a_build_folder_are_refused():
@@ -143,13 +143,14 @@ def test_kv_flags_that_contradict_a_build_folder_are_refused():
     p = argparse.ArgumentParser()
     add_kv(p)
     built = KiviConfig(k_bits=4, v_bits=2)
-    assert kv_for_build(p.parse_args([]), built).kivi == built  # nothing given: the folder's config
-    assert kv_for_build(p.parse_args(["--kv", "k4v2", "--group-size", "32"]), built).name == "k4v2"
-    with pytest.raises(ValueError, match=r"--group-size 64 contradicts the build folder's group_size=32"):
-        kv_for_build(p.parse_args(["--group-size", "64"]), built)
-    with pytest.raises(ValueError, match=r"--kv kivi2 \(kivi2 \(K 2-bit .*\)\) contradicts the build folder's KV "
-                       r"config \(k4v2 \(K 4-bit"):
-        kv_for_build(p.parse_args(["--kv", "kivi2"]), built)
+    assert kv_spec(p.parse_args([]), built).kivi == built  # nothing given: the folder's config
+    assert kv_spec(p.parse_args(["--kv", "k4v2", "--group-size", "32"]), built).name == "k4v2"
+    with pytest.raises(ValueError, match=r"--group-size 64 contradicts the build folder \(group_size=32\); a build "
+                       r"folder runs the cache it was built for"):
+        kv_spec(p.parse_args(["--group-size", "64"]), built)
+    with pytest.raises(ValueError, match=r"--kv 'kivi2' \(kivi2 \(K 2-bit .*\)\) contradicts the build folder "
+                       r"\(kv 'k4v2': k4v2 \(K 4-bit"):
+        kv_spec(p.parse_args(["--kv", "kivi2"]), built)
 
 
 @pytest.mark.gpu

@@ -44,7 +44,7 @@ from .cache import FullCache, Step
 from .cache import KiviCache as StreamingKiviCache
 from .format import Geometry
 from .reference.rotation import rotate, unrotate
-from .runtime.kvspec import KVSpec, parse_kv
+from .runtime.kvspec import KVSpec, resolve_kv
 
 _HOOK_ATTR = "_trtllm_kivi_mask_hook"
 
@@ -160,9 +160,7 @@ class KiviCache(Cache):
                  backend: str | None = None, **knobs: Any) -> None:
         self.geometry = model_geometry(model)
         super().__init__(layers=[_Layer(self, i) for i in range(self.geometry.num_layers)])
-        self.spec = kv if isinstance(kv, KVSpec) else parse_kv(kv, num_layers=self.geometry.num_layers, **knobs)
-        if isinstance(kv, KVSpec) and knobs:
-            raise ValueError(f"KiviCache: pass knobs {sorted(knobs)} in the KVSpec, not next to it")
+        self.spec = resolve_kv(kv, knobs, num_layers=self.geometry.num_layers)[0]
         self.max_seq_len = max_seq_len or getattr(_text_config(model), "max_position_embeddings", None) or 4096
         if not isinstance(self.max_seq_len, int) or self.max_seq_len < 1:
             raise ValueError(f"KiviCache: max_seq_len={self.max_seq_len!r} must be an integer >= 1")

@@ -32,10 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    kv = flags.kv_from_args(args)
-    if kv.kivi is None:
-        raise ValueError(f"--kv {args.kv}: a build needs a KIVI cache (kivi2, kivi4, k4v2, ...); unquantized caches "
-                         f"have no KiviAttention plugin")
+    kv = flags.kv_spec(args, needs_kivi="a build (its attention is the KiviAttention plugin)")
+    assert kv.kivi is not None  # needs_kivi
     opts = BuildOptions(output=Path(args.output), model=args.model, kivi=kv.kivi, dtype=args.dtype,
                         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                         max_num_tokens=args.max_num_tokens, force=args.force, check_steps=args.check_steps,

@@ -15,9 +15,7 @@ import torch
 from ..cache import BACKEND_CHOICES
 from ..format import DTYPE_NAMES, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, SUPPORTED_SCALE_DTYPES, KiviConfig
 from ..models import DEFAULT_MODEL
-from ..runtime.kvspec import KV_HELP, KV_OPTIONS, KVSpec, parse_kv, read_kv_config
-
-DEFAULT_KV = "kivi2"
+from ..runtime.kvspec import DEFAULT_KV, KV_HELP, KV_OPTIONS, KVSpec, resolve_kv
 
 
 def add_model(p: argparse.ArgumentParser | argparse._ArgumentGroup, help_extra: str = "") -> None:
@@ -36,7 +34,7 @@ def add_kv(p: argparse.ArgumentParser, default: str = DEFAULT_KV, many: bool = F
     g = p.add_argument_group("KV cache")
     what = "comma-separated list of " if many else ""
     g.add_argument("--kv", default=None, help=f"{what}{KV_HELP} (default: {default})")
-    g.set_defaults(_kv_default=default)
+    g.set_defaults(_kv_default=default, _kv_many=many)
     g.add_argument("--kv-config", metavar="FILE", help="KV config file (JSON) written by `trtllm-kivi eval "
                    "--recommend`: its recipe replaces --kv (a --kv or KIVI knob that disagrees is refused)")
     # no argparse `choices`: KiviConfig validates, with the one error message naming the value and the range
@@ -51,61 +49,24 @@ def add_kv(p: argparse.ArgumentParser, default: str = DEFAULT_KV, many: bool = F
                    f"default float16)")
 
 
-def kv_config(args: argparse.Namespace) -> KVSpec | None:
-    """The --kv-config file's spec (None without one); a --kv or KIVI knob that disagrees with it is refused,
-    naming both values."""
-    path = getattr(args, "kv_config", None)
-    if not path:
-        return None
-    spec = read_kv_config(path)
-    assert spec.kivi is not None
-    if args.kv is not None and args.kv.strip().lower() != spec.name:
-        raise ValueError(f"--kv {args.kv} conflicts with --kv-config {path} (kv {spec.name}); give one of them")
-    for name, value in kv_options(args).items():
-        if getattr(spec.kivi, name) != value:
-            raise ValueError(f"--{name.replace('_', '-')} {value} conflicts with --kv-config {path} "
-                             f"({name}={getattr(spec.kivi, name)}); give one of them")
-    return spec
+def kv_specs(args: argparse.Namespace, build: KiviConfig | None = None, kv: str | None = None,
+             needs_kivi: str | None = None) -> list[KVSpec]:
+    """The KV specs add_kv()'s flags name, parsed and validated by runtime.kvspec.resolve_kv: the --kv list (or the
+    command's default), or the --kv-config file's recipe, or a build folder's config (`build`, of --engine), which
+    the flags given must agree with. kv: names to use instead of --kv and the file (e.g. eval's --reference)."""
+    options = {k: getattr(args, k, None) for k in KV_OPTIONS}
+    many = getattr(args, "_kv_many", False)
+    if kv is not None:
+        return resolve_kv(kv, options, many=many, needs_kivi=needs_kivi)
+    engine = getattr(args, "engine", None)
+    return resolve_kv(args.kv, options, config_file=getattr(args, "kv_config", None), build=build,
+                      build_origin=f"the build folder {engine}" if engine else "the build folder",
+                      default=getattr(args, "_kv_default", DEFAULT_KV), many=many, needs_kivi=needs_kivi)
 
 
-def kv_names(args: argparse.Namespace) -> list[str]:
-    """The --kv value(s) as a list (the command's default when not given; the --kv-config recipe with one)."""
-    from_file = kv_config(args)
-    if from_file is not None:
-        return [from_file.name]
-    text = args.kv if args.kv is not None else args._kv_default
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    if not names:
-        raise ValueError(f"--kv {text!r} names no KV cache; allowed: {KV_HELP}")
-    return names
-
-
-def kv_options(args: argparse.Namespace) -> dict:
-    """The KIVI knobs the user gave (KiviConfig field -> value)."""
-    return {k: getattr(args, k) for k in KV_OPTIONS if getattr(args, k, None) is not None}
-
-
-def kv_from_args(args: argparse.Namespace, name: str | None = None) -> KVSpec:
-    """The KVSpec of the parsed add_kv() options (name overrides args.kv, e.g. one of a list); a --kv-config
-    file's recipe comes back with its exact config."""
-    from_file = kv_config(args)
-    if from_file is not None and (name is None or name.strip().lower() == from_file.name):
-        return from_file
-    return parse_kv(name if name is not None else kv_names(args)[0], **kv_options(args))
-
-
-def kv_for_build(args: argparse.Namespace, cfg: KiviConfig) -> KVSpec:
-    """A build folder's KV config; KV flags the user gave must agree with it (refused naming both values)."""
-    if args.kv is not None:
-        given = parse_kv(args.kv, **kv_options(args))
-        if given.kivi != cfg:
-            raise ValueError(f"--kv {args.kv} ({given.describe()}) contradicts the build folder's KV config "
-                             f"({KVSpec.of(cfg).describe()}); a build folder runs the cache it was built for")
-    for name, value in kv_options(args).items():
-        if getattr(cfg, name) != value:
-            raise ValueError(f"--{name.replace('_', '-')} {value} contradicts the build folder's {name}="
-                             f"{getattr(cfg, name)}; a build folder runs the cache it was built for")
-    return KVSpec.of(cfg)
+def kv_spec(args: argparse.Namespace, build: KiviConfig | None = None, needs_kivi: str | None = None) -> KVSpec:
+    """The KV spec of a command that runs one cache (kv_specs)."""
+    return kv_specs(args, build, needs_kivi=needs_kivi)[0]
 
 
 def add_backend(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

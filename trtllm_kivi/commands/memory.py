@@ -48,11 +48,8 @@ def _geometry(args: argparse.Namespace) -> tuple[Geometry, str]:
 
 def run(args: argparse.Namespace) -> int:
     geom, model = _geometry(args)
-    kv = flags.kv_from_args(args)
-    if kv.kivi is None:
-        raise ValueError(f"--kv {kv.name}: the calculator compares FP16 and FP8 with a KIVI cache; give a KIVI spec "
-                         f"(kivi2, kivi4, k4v2, naive2, ...)")
-    cfg = kv.kivi
+    cfg = flags.kv_spec(args, needs_kivi="the calculator (it compares FP16 and FP8 with a KIVI cache)").kivi
+    assert cfg is not None  # needs_kivi
     report = memory_report(geom, cfg, args.seq_len, args.batch, model)
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
     return 0

@@ -67,12 +67,12 @@ def _load(args: argparse.Namespace) -> Loaded:
         from ..runtime.build_folder import BuildFolder
 
         folder = BuildFolder.open(args.engine)
-        kv = flags.kv_for_build(args, folder.info.kivi)
+        kv = flags.kv_spec(args, build=folder.info.kivi)
         # onnxruntime runs the graph's fp32 copy; the engine runs the build dtype
         trt_ok = args.runner != "onnxruntime" and folder.tensorrt_unavailable() is None
         dtype = folder.info.spec.dtype if trt_ok else "float32"
         return Loaded(folder.tokenizer(), folder.model_config(), kv, dtype, None, time.perf_counter() - t0)
-    kv = flags.kv_from_args(args)  # validate the options before the model load
+    kv = flags.kv_spec(args)  # validate the options before the model load
     device = flags.device_of(args.device)
     dtype = args.dtype or ("float32" if device.type == "cpu" else "float16")
     model, tok, cfg = load_model(args.model, dtype, args.device)

@@ -54,12 +54,12 @@ def serving_config(args: argparse.Namespace) -> ServingConfig:
 
     model = engine = None
     if args.engine:
-        kv = flags.kv_for_build(args, BuildFolder.open(args.engine).info.kivi)  # the folder's config; no override
+        kv = flags.kv_spec(args, build=BuildFolder.open(args.engine).info.kivi)  # the folder's config; no override
         engine = str(Path(args.engine).resolve())
     else:  # an absolute file path: the server's python env need not have the built-in model's package
-        kv = flags.kv_from_args(args)  # validate the KV options now, not at server start
+        kv = flags.kv_spec(args)  # validate the KV options now, not at server start
         model = str(resolve_model(args.model).resolve())
-    return ServingConfig(model=model, engine=engine, kv=kv.name, kv_options=flags.kv_options(args) if model else {},
+    return ServingConfig(model=model, engine=engine, kv=kv.name, kv_options=kv.options() if model else {},
                          dtype=args.dtype, device=args.device, max_slots=args.max_batch_size,
                          max_seq_len=args.max_seq_len, num_blocks=args.num_blocks, prefill_chunk=args.prefill_chunk,
                          max_batch_tokens=args.max_num_tokens, default_max_tokens=args.default_max_tokens,

@@ -17,16 +17,23 @@ Recipes compose a KIVI base with options joined by `+` (no commas, no spaces; or
 e.g. `kivi2+sink4+had`. Rotation is model-dependent (it can make 2-bit KIVI 5x worse on another model family):
 measure it with `trtllm-kivi eval --recommend`, which writes a --kv-config file that build/run/eval/triton accept.
 Knobs (KV_OPTIONS: k_bits, v_bits, group_size, residual_length, block_size, scale_dtype) override the name's KIVI
-settings; they do not apply to unquantized caches and are ignored there. The CLI flags are in commands/flags.py.
+settings; they do not apply to unquantized caches and are ignored there.
+
+resolve_kv is the one way in for every source of a KV choice: the CLI (--kv, the knobs, --kv-config; commands/flags.py
+only collects them), a build folder's config, a Triton serving.json (kv, kv_options), TorchRunner.create and the
+transformers adapter (hf.KiviCache). It parses with parse_kv, reads --kv-config files, checks that what was given
+agrees with an authoritative config (a --kv-config file, a build folder), and words every error one way: the flag
+and the value given first (`--kv 'int4'`, `--group-size 64`), then what is wrong, then what is allowed or what it
+contradicts.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -34,9 +41,11 @@ import torch
 from ..cache import FullCache, KiviCache, KVCache
 from ..format import DEFAULT_GROUP_SIZE, DEFAULT_RESIDUAL_LENGTH, SUPPORTED_BITS, Geometry, KiviConfig
 
+DEFAULT_KV = "kivi2"
 FULL_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # KiviConfig fields a --kv spec's knobs may override (the CLI flags --k-bits ... --scale-dtype)
 KV_OPTIONS = ("k_bits", "v_bits", "group_size", "residual_length", "block_size", "scale_dtype")
+NAMELESS_OPTIONS = ("block_size", "scale_dtype")  # knobs a recipe name does not spell (recipe_name)
 KV_HELP = ("KV cache: fp16|bf16|fp32 (unquantized), kivi2|kivi4|kivi8, k<bits>v<bits> (e.g. k4v2), "
            "naive2|naive4|naive8 (keys per token: the paper's control); recipes add +options: sink<S> (first S "
            "tokens in full precision), had | had:k | had:v (Hadamard rotation of K and/or V; had:k@0-3.7 = only in "
@@ -69,6 +78,19 @@ class KVSpec:
             assert self.full_dtype is not None
             return FullCache(geom, max_slots, max_seq_len, self.full_dtype, device)
         return KiviCache(self.kivi, geom, max_slots, max_seq_len, act_dtype, device, num_blocks, backend)
+
+    def options(self) -> dict[str, Any]:
+        """The knobs (KV_OPTIONS) that, with this spec's name, give back its exact config: parse_kv(name,
+        **options()) == this spec (what a serving.json stores). Raises ValueError if the name cannot say it."""
+        if self.kivi is None:
+            return {}
+        named = parse_kv(self.name, num_layers=_rotation_layers(self.kivi)).kivi
+        assert named is not None
+        opts = {k: getattr(self.kivi, k) for k in KV_OPTIONS if getattr(self.kivi, k) != getattr(named, k)}
+        if parse_kv(self.name, num_layers=_rotation_layers(self.kivi), **opts).kivi != self.kivi:
+            raise ValueError(f"--kv {self.name!r} with knobs {opts} does not give back its config "
+                             f"({self.describe()}); allowed: a name parse_kv reads ({KV_HELP})")
+        return opts
 
     def describe(self) -> str:
         if self.kivi is None:
@@ -166,9 +188,99 @@ def parse_kv(spec: str, k_bits: int | None = None, v_bits: int | None = None, gr
         base_cfg[f"{which}_rotation"] = _rotation_value(chosen, everywhere, num_layers, spec)
     over = dict(k_bits=k_bits, v_bits=v_bits, group_size=group_size, residual_length=residual_length,
                 block_size=block_size, scale_dtype=scale_dtype)
-    base_cfg |= {k: v for k, v in over.items() if v is not None}
-    cfg = KiviConfig(**base_cfg)
+    given = {k: v for k, v in over.items() if v is not None}
+    try:
+        cfg = KiviConfig(**(base_cfg | given))
+    except ValueError as e:  # KiviConfig names the field, the value and the allowed range
+        raise ValueError(f"{_given(spec, given)}: {e}") from None
     return KVSpec(s, kivi=cfg)
+
+
+def _flag(option: str) -> str:
+    """k_bits -> --k-bits."""
+    return "--" + option.replace("_", "-")
+
+
+def _given(spec: str, options: Mapping[str, Any]) -> str:
+    """`--kv 'kivi2' --group-size 48`: a KV choice as it was given."""
+    return " ".join([f"--kv {spec!r}"] + [f"{_flag(k)} {v!r}" for k, v in options.items()])
+
+
+def _rotation_layers(cfg: KiviConfig) -> int | None:
+    """The layer count a per-layer rotation is sized to (None when both rotations are global)."""
+    sized = [r for r in (cfg.k_rotation, cfg.v_rotation) if not isinstance(r, str)]
+    return len(sized[0]) if sized else None
+
+
+def _contradiction(given: str, origin: str, theirs: str, remedy: str) -> ValueError:
+    return ValueError(f"{given} contradicts {origin} ({theirs}); {remedy}")
+
+
+def _check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The knobs that were given (None = not given), refusing names that are not knobs."""
+    given = {k: v for k, v in (options or {}).items() if v is not None}
+    unknown = sorted(set(given) - set(KV_OPTIONS))
+    if unknown:
+        raise ValueError(f"KV options {unknown} are not knobs of a KV cache spec; allowed: {', '.join(KV_OPTIONS)}")
+    return given
+
+
+def resolve_kv(kv: str | KVSpec | None = None, options: Mapping[str, Any] | None = None, *,
+               config_file: str | Path | None = None, build: KiviConfig | None = None,
+               build_origin: str = "the build folder", default: str = DEFAULT_KV, many: bool = False,
+               num_layers: int | None = None, needs_kivi: str | None = None) -> list[KVSpec]:
+    """Every KV choice, parsed and validated once (see the module doc) -> its KVSpecs.
+
+    kv: a name or recipe (a comma-separated list with many=True; None: `default`), or an already parsed KVSpec
+    (then no options). options: the knobs given (KV_OPTIONS; None values = not given). config_file (--kv-config)
+    and build (a build folder's config, named `build_origin` in errors) are authoritative: the spec is theirs, and a
+    --kv or knob that was given must agree with them (a --kv name agrees when it is the config's name or parses,
+    with the knobs given and the block size / scale dtype of the config, to that config). num_layers sizes per-layer rotations. needs_kivi: what
+    needs a KIVI cache (e.g. "a build"); an unquantized spec is then refused."""
+    given = _check_options(options)
+    if isinstance(kv, KVSpec):
+        if given:
+            raise ValueError(f"--kv {kv.name!r} is an already parsed KVSpec: give the knobs {sorted(given)} to "
+                             f"parse_kv, not next to it")
+        specs = [kv]
+    else:
+        fixed: list[tuple[str, KVSpec, str]] = []  # (origin, spec, remedy)
+        if config_file:
+            fixed.append((f"--kv-config {config_file}", read_kv_config(config_file), "give one of them"))
+        if build is not None:
+            fixed.append((build_origin, KVSpec.of(build), "a build folder runs the cache it was built for"))
+        if len(fixed) == 2 and fixed[0][1].kivi != fixed[1][1].kivi:
+            raise _contradiction(f"--kv-config {config_file} (kv {fixed[0][1].name!r})", build_origin,
+                                 f"kv {fixed[1][1].name!r}: {fixed[1][1].describe()}", fixed[1][2])
+        if fixed:
+            specs = [_agree(kv, given, *fixed[-1])]
+        else:
+            text = kv if kv is not None else default
+            names = [n.strip() for n in text.split(",") if n.strip()] if many else [text]
+            if not names:
+                raise ValueError(f"--kv {text!r} names no KV cache; allowed: {KV_HELP}")
+            specs = [parse_kv(n, num_layers=num_layers, **given) for n in names]
+    for spec in specs:
+        if needs_kivi and spec.kivi is None:
+            raise ValueError(f"--kv {spec.name!r}: {needs_kivi} needs a KIVI cache (kivi2, kivi4, k4v2, naive2, ...); "
+                             f"{spec.name} is unquantized")
+    return specs
+
+
+def _agree(kv: str | None, given: dict[str, Any], origin: str, spec: KVSpec, remedy: str) -> KVSpec:
+    """`spec` (from an authoritative origin) if the --kv name and the knobs given agree with it."""
+    cfg = spec.kivi
+    assert cfg is not None  # a KV config file and a build folder hold KIVI configs
+    for name, value in given.items():
+        if getattr(cfg, name) != value:
+            raise _contradiction(f"{_flag(name)} {value!r}", origin, f"{name}={getattr(cfg, name)!r}", remedy)
+    if kv is not None and kv.strip().lower() != spec.name:
+        rest = {k: getattr(cfg, k) for k in NAMELESS_OPTIONS if k not in given}
+        mine = parse_kv(kv, num_layers=_rotation_layers(cfg), **given, **rest)
+        if mine.kivi != cfg:
+            raise _contradiction(f"--kv {kv!r} ({mine.describe()})", origin, f"kv {spec.name!r}: "
+                                 f"{spec.describe()}", remedy)
+    return spec
 
 
 def recipe_name(cfg: KiviConfig | None, full: str = "fp16") -> str:
@@ -225,5 +337,5 @@ def read_kv_config(path: str | Path) -> KVSpec:
 
 KV_CONFIG_KIND = "trtllm-kivi kv config"
 
-__all__ = ["KVSpec", "parse_kv", "recipe_name", "read_kv_config", "write_kv_config", "FULL_DTYPES", "KV_HELP",
-           "KV_OPTIONS", "KV_CONFIG_KIND"]
+__all__ = ["KVSpec", "parse_kv", "resolve_kv", "recipe_name", "read_kv_config", "write_kv_config", "DEFAULT_KV",
+           "FULL_DTYPES", "KV_HELP", "KV_OPTIONS", "KV_CONFIG_KIND"]

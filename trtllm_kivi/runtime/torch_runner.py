@@ -32,9 +32,9 @@ class TorchRunner(CacheRunner):
     def create(cls, model: LlamaModel, kv, max_slots: int, max_seq_len: int, **cache_kwargs) -> TorchRunner:
         """Runner with a fresh cache from a KV spec (runtime.kvspec.KVSpec or a string such as "kivi2");
         cache_kwargs go to KVSpec.make_cache (num_blocks, backend)."""
-        from .kvspec import parse_kv
+        from .kvspec import resolve_kv
 
-        spec = parse_kv(kv) if isinstance(kv, str) else kv
+        spec = resolve_kv(kv, num_layers=model.cfg.geometry.num_layers)[0]
         cache = spec.make_cache(model.cfg.geometry, max_slots, max_seq_len, model.dtype, model.device,
                                 **cache_kwargs)
         return cls(model, cache)

@@ -12,6 +12,7 @@ from pathlib import Path
 import trtllm_kivi
 
 from ..runtime.base import Runner
+from ..runtime.kvspec import DEFAULT_KV, KVSpec, resolve_kv
 
 PACKAGE_ROOT = str(Path(trtllm_kivi.__file__).resolve().parent.parent)
 
@@ -23,8 +24,8 @@ class ServingConfig:
 
     model: str | None = None
     engine: str | None = None
-    kv: str = "kivi2"
-    kv_options: dict = field(default_factory=dict)  # KiviConfig overrides: group_size, residual_length, ...
+    kv: str = DEFAULT_KV  # a --kv name or recipe (informational for an engine: the folder's own config applies)
+    kv_options: dict = field(default_factory=dict)  # its knobs (runtime.kvspec.KV_OPTIONS): group_size, ...
     dtype: str = "float32"
     device: str = "cpu"
     max_slots: int = 8  # sequences served at once
@@ -49,6 +50,12 @@ class ServingConfig:
                 continue
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
+        if self.model is not None:
+            self.kv_spec()  # a bad kv / kv_options is refused when the config is made or read, not at server start
+
+    def kv_spec(self) -> KVSpec:
+        """The torch runner's KV spec: kv + kv_options through runtime.kvspec.resolve_kv."""
+        return resolve_kv(self.kv, self.kv_options)[0]
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
@@ -73,10 +80,9 @@ def load_runner(cfg: ServingConfig):
     if cfg.engine is not None:
         return _load_engine(cfg)
     from ..models import load_model
-    from ..runtime.kvspec import parse_kv
     from ..runtime.torch_runner import TorchRunner
 
-    spec = parse_kv(cfg.kv, **cfg.kv_options)  # validate before the (slow) model load
+    spec = cfg.kv_spec()  # validate before the (slow) model load
     assert cfg.model is not None  # __post_init__: exactly one of model / engine
     model, tok, mcfg = load_model(cfg.model, cfg.dtype, cfg.device)
     if cfg.max_seq_len > mcfg.max_seq_len:
