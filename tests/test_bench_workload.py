@@ -61,6 +61,7 @@ def test_prepare_and_throughput_cli_with_several_kv_specs(tiny, tmp_path, capsys
     assert rep["runs"][1]["outputs_identical_to_baseline"]["of"] == 6
     assert rep["machine"]["torch"] == torch.__version__ and rep["machine"]["cores"] == os.cpu_count()
     assert rep["machine"]["cpu"] and rep["machine"]["git_commit"]  # the machine as what it is, and the commit
+    assert (rep["model"], rep["dataset"]["path"]) == (tiny.name, data.name)  # no path of this machine
 
 
 def test_prepare_from_text_and_latency_cli(tiny, tmp_path):

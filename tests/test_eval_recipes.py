@@ -23,7 +23,7 @@ def test_bits_per_element_by_hand():
     # scale/zero bytes) + window 2 x 159 rows x 3 x 64 x 2 bytes = 122112 bytes, per layer; elements 2 x 3 x 64 x T.
     want = (63 * 128 * 144 + 122112) * 8 / (2 * 3 * 64 * 8192)
     assert math.isclose(bits_per_element(KiviConfig(), SMOL, 8192), want)
-    assert round(want, 2) == 3.26  # the figure for plain KIVI-2 at 8K
+    assert round(want, 2) == 3.26  # plain KIVI-2 at 8K, the figure the docs quote
     assert bits_per_element(KiviConfig(sink_tokens=4), SMOL, 8192) > want  # sink rows are counted
     assert bits_per_element(None, SMOL, 8192) == 16.0
 

@@ -1,7 +1,7 @@
 """Host side of the KIVI kernels without a GPU: the validation messages, the ctypes ABI mirror and the launch plan.
 
 The host-only part of the library (plugins/kernels/src/kiviParams.cpp + kiviCApiHost.cpp: plain C++) is compiled
-here with g++ -Werror and loaded with ctypes; oracles: the messages the issue requires (each names the bad value),
+here with g++ -Werror and loaded with ctypes; oracles: the messages the contract requires (each names the bad value),
 format.FORMAT_VERSION, and the Python model of the plan (trtllm_kivi/cuda/launch.py) checked for the bounds the
 kernels rely on.
 """
@@ -226,8 +226,8 @@ def test_profile_workspace_serves_every_step_of_the_profile(host_lib):
 
 
 def test_profile_workspace_numbers_for_long_prefill_profiles(host_lib):
-    """Issue 12: a Llama-3-8B layer (32 q heads, 8 KV heads, D 128) with profiles up to 8K and 32K tokens per step
-    and 32K / 128K contexts was given 141 MB and 550 MB of split workspace sized by a bound on T x numSplits. Now
+    """A Llama-3-8B layer (32 q heads, 8 KV heads, D 128) with profiles up to 8K and 32K tokens per step and 32K /
+    128K contexts must not get 141 MB and 550 MB of split workspace, as a bound on T x numSplits would give:
     splits = floor(132 SMs x 3 CTAs / (tiles of both kernels x 8 KV heads)): at batch 1 and T >= 16 tokens (64 query
     rows, GQA 4) the sequence may be a prefill one, so the grid holds at most 8 decode tiles + floor(4T / 64) + 1
     prefill tiles; the step with the most partial rows is T = 255: 8 + 16 tiles x 8 = 192 CTAs, 2 splits,

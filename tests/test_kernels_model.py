@@ -91,8 +91,8 @@ def test_model_error_flags_skip_the_sequence():
 
 
 def test_model_plan_fills_one_wave():
-    """Decode at Llama-3-8B shapes: tiles x KV heads x splits <= SMs x CTAs/SM and more than 90% of it (the issue's
-    9 splits -> 576 CTAs for 528 slots was 1.09 waves)."""
+    """Decode at Llama-3-8B shapes: tiles x KV heads x splits <= SMs x CTAs/SM and more than 90% of it (9 splits
+    -> 576 CTAs for 528 slots would be 1.09 waves: a second, nearly empty wave)."""
     cfg = KiviConfig()
     for batch in (1, 8, 32):
         plan = launch.launch_plan(cfg, 32, 8, 128, batch, batch, 300, max_chunk_len=1, max_seq_len=32768,

@@ -1,5 +1,5 @@
 """`trtllm-kivi run` end to end: the built-in model continues "The capital of France is" with Paris over KIVI-2
-(the issue's done-when check), and a small Hugging Face folder written here (safetensors + tokenizer.json +
+(the README quick start's prompt), and a small Hugging Face folder written here (safetensors + tokenizer.json +
 chat template) exercises batches, --chat, --stop, --kv choices and the error paths."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -353,7 +353,7 @@ def _why_not(name: str, cfg: KiviConfig, device: torch.device, dtype: torch.dtyp
 def default_backend(cfg: KiviConfig, device: str | torch.device, dtype: torch.dtype = torch.float16,
                     head_dim: int | None = None) -> str:
     """The fastest backend available for `cfg` on `device`: cuda on a CUDA device (when built), the native cpu
-    kernels on the CPU (when built; benchmarks/results/cpu_attention_op.json), else memo (with a one-line warning
+    kernels on the CPU (when built; benchmarks/results/cpu_attention_op_xeon.json), else memo (with a one-line warning
     on the CPU, once per process)."""
     device = torch.device(device)
     for name in ("cuda", "cpu"):
@@ -408,13 +408,69 @@ class KiviCache(KVCache):
         self.block_tables = torch.full((max_slots, self.max_blocks_per_seq), -1, dtype=torch.int32, device=device)
         self._free_blocks = list(range(self.num_blocks - 1, -1, -1))
         self._blocks: list[list[int]] = [[] for _ in range(max_slots)]
+        # Prefix sharing (runtime/prefix_cache.py): a block is referenced by every slot whose table holds it, and
+        # a block the prefix index keeps (`_cached`) outlives its sequences; it is free only when neither holds it.
+        # begin_step takes free blocks first, then asks `reclaim(n)` to evict unreferenced cached ones
+        # (tests/test_prefix_cache.py: eviction never frees a block in use).
+        self._refs = [0] * self.num_blocks
+        self._cached = [False] * self.num_blocks
+        self.reclaim: Callable[[int], None] | None = None
 
     def free_sequence(self, slot: int) -> None:
         super().free_sequence(slot)
         self.backend.free(slot)
-        self._free_blocks.extend(reversed(self._blocks[slot]))
+        for blk in reversed(self._blocks[slot]):
+            self._refs[blk] -= 1
+            if self._refs[blk] == 0 and not self._cached[blk]:
+                self._free_blocks.append(blk)
         self._blocks[slot] = []
         self.block_tables[slot] = -1
+
+    # ------------------------------------------------------------------ prefix sharing (runtime/prefix_cache.py)
+
+    def blocks_of(self, slot: int) -> list[int]:
+        """The pool blocks in the sequence's block table, in order."""
+        return list(self._blocks[slot])
+
+    def block_refs(self, blk: int) -> int:
+        """How many live sequences hold block `blk`."""
+        return self._refs[blk]
+
+    @property
+    def blocks_in_use(self) -> int:
+        """Blocks held by at least one live sequence (shared blocks count once)."""
+        return self.num_blocks - len(self._free_blocks) - sum(c and r == 0 for c, r in zip(self._cached, self._refs,
+                                                                                         strict=True))
+
+    def set_cached(self, blk: int, cached: bool) -> None:
+        """Mark a block as kept by the prefix index (or no longer); an unkept block nobody holds becomes free."""
+        if self._cached[blk] == cached:
+            return
+        self._cached[blk] = cached
+        if not cached and self._refs[blk] == 0:
+            self._free_blocks.append(blk)
+
+    def adopt_prefix(self, slot: int, blocks: Sequence[int], seq_len: int) -> None:
+        """Give the empty sequence in `slot` a cached prefix of seq_len tokens whose quantized store is `blocks`
+        (complete, shared: each gets one more reference); the caller writes its full-precision rows (window_rows)."""
+        self._check_slot(slot)
+        if self.seq_lens[slot] or self._blocks[slot]:
+            raise ValueError(f"slot {slot} is not empty ({self.seq_lens[slot]} tokens); a prefix goes first")
+        if self.cfg.num_quantized(seq_len) != len(blocks) * self.cfg.block_size or seq_len > self.max_seq_len:
+            raise ValueError(f"a prefix of {seq_len} tokens quantizes {self.cfg.num_quantized(seq_len)} tokens, "
+                             f"not the {len(blocks)} whole blocks given")
+        for i, blk in enumerate(blocks):
+            if self._refs[blk] == 0 and not self._cached[blk]:
+                raise ValueError(f"block {blk} is free; only a held or cached block can be shared")
+            self._refs[blk] += 1
+            self.block_tables[slot, i] = blk
+        self._blocks[slot] = list(blocks)
+        self.seq_lens[slot] = seq_len
+
+    def window_rows(self, slot: int, seq_len: int | None = None) -> torch.Tensor:
+        """Window rows of the full-precision tokens of a sequence of seq_len (default: its length) tokens, in
+        token order: the sinks, then the ring's tokens (what a prefix's state holds besides its blocks)."""
+        return full_precision_rows(self.cfg, self.seq_lens[slot] if seq_len is None else seq_len).to(self.device)
 
     @property
     def free_blocks(self) -> int:
@@ -430,12 +486,16 @@ class KiviCache(KVCache):
         bs = self.cfg.block_size
         need = [math.ceil(self.cfg.num_quantized(self.seq_lens[s] + c) / bs) - len(self._blocks[s])
                 for s, c in zip(slots, chunk_lens, strict=True)]
-        if sum(max(0, n) for n in need) > len(self._free_blocks):
-            raise CacheCapacityError(f"the step needs {sum(max(0, n) for n in need)} new blocks but only "
+        total = sum(max(0, n) for n in need)
+        if total > len(self._free_blocks) and self.reclaim is not None:
+            self.reclaim(total - len(self._free_blocks))  # evict unreferenced cached prefix blocks
+        if total > len(self._free_blocks):
+            raise CacheCapacityError(f"the step needs {total} new blocks but only "
                                      f"{len(self._free_blocks)} of {self.num_blocks} are free")
         for slot, n in zip(slots, need, strict=True):
             for _ in range(max(0, n)):
                 blk = self._free_blocks.pop()
+                self._refs[blk] = 1
                 self.block_tables[slot, len(self._blocks[slot])] = blk
                 self._blocks[slot].append(blk)
         return self._make_step(slots, chunk_lens, self.block_tables[list(slots)])
@@ -503,6 +563,15 @@ class FullCache(KVCache):
     @property
     def backend_name(self) -> str:
         return self._backend
+
+    def adopt_prefix(self, slot: int, seq_len: int) -> None:
+        """The empty sequence in `slot` now holds seq_len tokens whose rows the caller has written (a cached
+        prefix, runtime/prefix_cache.py)."""
+        self._check_slot(slot)
+        if self.seq_lens[slot] or not 0 < seq_len <= self.max_seq_len:
+            raise ValueError(f"slot {slot} ({self.seq_lens[slot]} tokens) must be empty and seq_len={seq_len} in "
+                             f"[1, {self.max_seq_len}]")
+        self.seq_lens[slot] = seq_len
 
     def begin_step(self, slots: Sequence[int], chunk_lens: Sequence[int]) -> Step:
         self._check_step(slots, chunk_lens)

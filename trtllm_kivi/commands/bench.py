@@ -186,8 +186,11 @@ def _bench(args: argparse.Namespace) -> int:
         runs.append(run)
         print(f"--- {name}: median of {len(reps)} repeat(s)")
         _print_memory(mem)
+    from ..bench import portable_path
+
     report = {"tool": "trtllm-kivi bench", "mode": mode, "machine": _machine(),
-              "model": args.engine or args.model, "dtype": args.dtype, "dataset": {"path": args.dataset, **ds},
+              "model": portable_path(args.engine or args.model), "dtype": args.dtype,
+              "dataset": {"path": portable_path(args.dataset), **ds},
               "settings": {"repeats": args.repeats, "max_batch_size": args.max_batch_size, "max_num_tokens": args.max_num_tokens,
                            "prefill_chunk": args.prefill_chunk, "warmup": args.warmup,
                            "concurrency": getattr(args, "concurrency", None),
