@@ -1,8 +1,8 @@
 """Recipe search (eval/recommend.py) on a synthetic model built so that the choice can fail.
 
 The model: the tiny random Llama (2 layers, head_dim 32) whose layer 0 has two large key channels (a RoPE pair of
-k_proj rows scaled x60: large and time-varying, as in the second model family of issue 11, where global rotation
-made 2-bit KIVI 5x worse) and whose queries ignore them (so per-channel grouping isolates them harmlessly, while the rotation spreads them into
+k_proj rows scaled x60: large and time-varying, as in the model family where global rotation made 2-bit KIVI 5x
+worse; docs/recipes.md) and whose queries ignore them (so per-channel grouping isolates them harmlessly, while the rotation spreads them into
 every channel the queries read), and whose layer 1 has a large value channel (a v_proj row x100: per-token value groups
 suffer, and rotation spreads it). Oracles: the decode-mode eval of the same model (KL vs the unquantized cache,
 paired bootstrap CIs over segments): global rotation must measurably hurt, the per-layer choice must not.

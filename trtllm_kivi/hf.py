@@ -18,9 +18,9 @@ update returns, per row, the stored state *before* the chunk (dequantized histor
 makes the query at position t attend to the stored state and to chunk tokens s..t — the attend-then-append rule.
 Then the chunk is appended to our cache (its attention output is discarded: the store is written by the op itself).
 For an unquantized FullCache of another dtype (fp16 for an fp32 model) the chunk is returned as that cache stores it.
-Recipes (issue 9: `kivi2+sink4+had`, per-layer `had:k@...`): sinks live in the store; a layer's Hadamard rotation
-is applied here as this project's model applies it around the op (format.py): the chunk's K (V) is stored as kH
-(vH), and the history handed back is rotated back (x H^T), so transformers' unrotated q sees q.(k^ H^T) = (qH).k^,
+Recipes (`kivi2+sink4+had`, per-layer `had:k@...`; docs/recipes.md): sinks live in the store; a layer's Hadamard
+rotation is applied here as this project's model applies it around the op (format.py): the chunk's K (V) is stored
+as kH (vH), and the history handed back is rotated back (x H^T), so transformers' unrotated q sees q.(k^ H^T) = (qH).k^,
 the score the rotated op computes, and its attention output is the op's output rotated back.
 
 Padding. The 2-D attention_mask the model receives (generate passes it; a forward loop passes its own) is read by a
