@@ -20,6 +20,13 @@ nothing else changes. KV blocks: a request is admitted only when the pool's unre
 (prompt + max_new_tokens - 1 tokens stored); it keeps that reservation until it finishes. So when blocks run short,
 requests wait in arrival order, and a running request never finds the pool empty mid-generation.
 
+Prefix sharing (prefix_caching=True; runtime/prefix_cache.py): a prompt chunk also ends at every boundary b_k of
+the cache (where a prefix's state is whole blocks + a window), the state there is kept, and a request whose prompt
+starts with a kept prefix gets that state at admission and prefills only the rest (`cached_tokens`). Chunk ends are
+then a function of the position alone, so a request's tokens are the same whether its prefix came from the cache
+or not. Admission counts a shared block once: the blocks live sequences hold, plus what each may still allocate,
+plus the new request's revived (cached, unheld) prefix blocks and its own worst case beyond them, must fit the pool.
+
 Cancellation: Request.cancel(), or a `cancelled` predicate given to submit() (e.g. Triton's request.is_cancelled),
 polled before every step; a cancelled request ends with finish_reason "cancelled" and its slot and blocks are freed
 in that step, waiting or running.
@@ -45,6 +52,7 @@ import torch
 from . import kv_usage
 from .base import Runner
 from .detokenize import Detokenizer
+from .prefix_cache import Match, PrefixCache, chain_hashes
 from .sampling import SamplingParams, sample
 
 # on_update(request, new_token_ids, new_text): called after every step that changed the request (new token, or
@@ -81,6 +89,8 @@ class Request:
     _scheduler: Scheduler | None = None
     _cancelled: Callable[[], bool] | None = None  # polled before every step (e.g. the client went away)
     _blocks: int = 0  # pool blocks reserved for this request's worst case while it runs
+    cached_tokens: int = 0  # prompt tokens whose state came from the prefix cache
+    _hashes: list[bytes] = field(default_factory=list)  # the prompt's prefix chain (with prefix caching)
 
     @property
     def finished(self) -> bool:
@@ -130,7 +140,8 @@ class Scheduler:
     """Continuous batching of requests over one runner (see the module doc)."""
 
     def __init__(self, runner: Runner, tokenizer=None, max_batch_tokens: int = 512, prefill_chunk: int = 128,
-                 max_batch_size: int | None = None) -> None:
+                 max_batch_size: int | None = None, prefix_caching: bool = False,
+                 prefix_capacity: int | None = None) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 1")
         if max_batch_tokens < 1:
@@ -159,6 +170,12 @@ class Scheduler:
         self.generated_tokens = 0  # tokens sampled (including final stop tokens)
         self.finished_requests: dict[str, int] = {}  # finish reason -> count
         self.blocks_reserved = 0  # pool blocks reserved by running requests
+        self.prefix: PrefixCache | None = None
+        if prefix_caching:
+            cache = getattr(runner, "cache", None)
+            if cache is None:
+                raise ValueError(f"prefix caching needs a runner with a trtllm_kivi cache; {runner.name} has none")
+            self.prefix = PrefixCache(cache, prefix_capacity)
 
     # ------------------------------------------------------------------------------------------- submission
 
@@ -267,6 +284,8 @@ class Scheduler:
                 if r.fed < len(r.prompt):
                     r.fed += len(chunk)
                     self.prompt_tokens += len(chunk)
+                    if self.prefix is not None:
+                        self.prefix.register(r.slot, r._hashes, r.fed)
                     if r.fed < len(r.prompt):
                         continue  # a middle prompt chunk: its logits predict prompt tokens
                 if self._sample(r, logits[b], now):
@@ -297,12 +316,31 @@ class Scheduler:
             while self._waiting and self.runner.free_slots > 0 and len(self._running) < self.max_batch_size:
                 r = self._waiting[0]
                 blocks = kv_usage.blocks_for(self.runner, len(r.prompt) + r.params.max_new_tokens - 1)
-                if self.blocks_reserved + blocks > pool:
+                match = self._match(r)
+                if self._committed() + match.revived + blocks - len(match.blocks) > pool:
                     break  # wait (in arrival order) until running requests return their blocks
                 self._waiting.popleft()
                 r.slot = self.runner.add_sequence()
                 r._blocks, self.blocks_reserved = blocks, self.blocks_reserved + blocks
+                if self.prefix is not None:
+                    self.prefix.attach(r.slot, match)
+                    r.fed = r.cached_tokens = match.tokens
                 self._running.append(r)
+
+    def _match(self, r: Request) -> Match:
+        if self.prefix is None:
+            return Match()
+        if not r._hashes:
+            r._hashes = chain_hashes(r.prompt, self.prefix.bounds(len(r.prompt)))
+        usable = len(self.prefix.bounds(len(r.prompt) - 1))  # at least one prompt token is left to prefill
+        return self.prefix.match(r.prompt, r._hashes[:usable])
+
+    def _committed(self) -> int:
+        """Pool blocks that running requests hold or may still allocate (a shared block counts once)."""
+        if self.prefix is None or not self.prefix.kivi:
+            return self.blocks_reserved
+        cache = self.prefix.cache
+        return cache.blocks_in_use + sum(r._blocks - len(cache.blocks_of(r.slot)) for r in self._running)  # type: ignore[attr-defined]
 
     def _build_batch(self) -> list[tuple[Request, list[int]]]:
         """Decode tokens first (one per decoding request), then whole prompt chunks in arrival order while the
@@ -313,7 +351,10 @@ class Scheduler:
         prefills = 0
         for r in self._running:
             if r.fed < len(r.prompt):
-                chunk = r.prompt[r.fed:r.fed + self.prefill_chunk]
+                end = r.fed + self.prefill_chunk
+                if self.prefix is not None:  # a chunk ends at every boundary, where the prefix state is kept
+                    end = min(end, self.prefix.next_boundary(r.fed))
+                chunk = r.prompt[r.fed:end]
                 if len(chunk) <= budget or (prefills == 0 and not self.hard_limit):
                     batch.append((r, chunk))
                     budget -= len(chunk)
