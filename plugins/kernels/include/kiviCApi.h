@@ -39,6 +39,11 @@ int32_t kiviCStep(void const* params, void* stream);
 int32_t kiviCAttention(void const* params, void* stream);
 int32_t kiviCAppend(void const* params, void* stream);
 
+//! The read-only streaming kernel (kiviStreamRead.h), the benchmarks' measured memory roofline: reads `bytes` at src
+//! (16-byte aligned) with 16-byte loads on numCtas CTAs, partial[c] = CTA c's XOR of the 32-bit words it read (bits
+//! in a float slot). 0 on success, else a cudaError_t value (message in kiviCLastErrorMessage() for bad arguments).
+int32_t kiviCStreamRead(void const* src, size_t bytes, float* partial, int32_t numCtas, void* stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -2,6 +2,7 @@
 #include "kiviCApi.h"
 
 #include "kiviKernels.h"
+#include "kiviStreamRead.h"
 
 using trtllm_kivi::kernels::KiviStepParams;
 
@@ -29,6 +30,12 @@ int32_t kiviCAppend(void const* params, void* stream)
 {
     return static_cast<int32_t>(trtllm_kivi::kernels::invokeKiviAppend(
         *static_cast<KiviStepParams const*>(params), static_cast<cudaStream_t>(stream)));
+}
+
+int32_t kiviCStreamRead(void const* src, size_t bytes, float* partial, int32_t numCtas, void* stream)
+{
+    return static_cast<int32_t>(trtllm_kivi::kernels::invokeKiviStreamRead(
+        src, bytes, partial, numCtas, static_cast<cudaStream_t>(stream)));
 }
 
 } // extern "C"
