@@ -1,6 +1,6 @@
 """Streaming caches (trtllm_kivi/cache.py): the streaming contract, capacity errors, slot reuse, FullCache.
 
-Oracles: one-shot quantize_keys/quantize_values of the first n_q(T) tokens (DESIGN.md "Streaming semantics"), the raw
+Oracles: one-shot quantize_keys/quantize_values of the first n_q(T) tokens (docs/design.md "Streaming semantics"), the raw
 K/V for the window, a fresh cache for slot reuse, and plain float64 softmax attention for FullCache.
 """
 

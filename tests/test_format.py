@@ -1,6 +1,6 @@
 """The storage format (trtllm_kivi/format.py): validation, defaults, n_q, layouts, byte counts, the C header.
 
-Oracles: DESIGN.md's contract text (defaults, n_q), numbers computed by hand in the comments, the checked-in header
+Oracles: docs/design.md's contract text (defaults, n_q), numbers computed by hand in the comments, the checked-in header
 file, and g++ evaluating the header's constexpr functions.
 """
 
@@ -51,7 +51,7 @@ def test_config_rejects_bad_values(kwargs, match):
 
 
 def test_defaults_match_design():
-    # DESIGN.md "Defaults": k_bits = v_bits = 2, G = 32, R = 128, block_size = 128; fp16 scales; keys per channel.
+    # docs/design.md "Defaults": k_bits = v_bits = 2, G = 32, R = 128, block_size = 128; fp16 scales; keys per channel.
     c = KiviConfig()
     assert (c.k_bits, c.v_bits, c.group_size, c.residual_length, c.block_size) == (2, 2, 32, 128, 128)
     assert (c.scale_dtype, c.key_grouping) == ("float16", "per_channel")
@@ -113,7 +113,7 @@ def test_num_quantized_by_hand(seq_len, expected):
 def test_num_quantized_formula(t, r, g):
     cfg = KiviConfig(group_size=g, residual_length=r, block_size=128)
     n_q = cfg.num_quantized(t)
-    assert n_q == max(0, (t - r) // g) * g  # DESIGN.md's formula (Python's // is floor division)
+    assert n_q == max(0, (t - r) // g) * g  # docs/design.md's formula (Python's // is floor division)
     assert n_q % g == 0
     if t >= r:  # the window holds between R and R + G - 1 tokens once T >= R
         assert r <= t - n_q <= cfg.window_capacity
@@ -152,7 +152,7 @@ def test_rotation_fields():
     assert [c.k_rotation_of(i) for i in range(3)] == ["none", "hadamard", "none"]
     assert c.for_layer(1).k_rotation == "hadamard" and c.for_layer(0).v_rotation == "hadamard"
     assert KiviConfig(k_rotation=("hadamard", "hadamard")).k_rotation == "hadamard"  # one spelling when uniform
-    assert not KiviConfig().rotated  # never on by default (DESIGN.md)
+    assert not KiviConfig().rotated  # never on by default (docs/design.md)
     assert KiviConfig.from_dict(c.to_dict()) == c
     c.check_num_layers(3)
     with pytest.raises(ValueError, match=r"k_rotation names 3 layers but the model has num_layers=30"):

@@ -1,6 +1,6 @@
 """Prefix sharing (runtime/prefix_cache.py, the scheduler's use of it, KiviCache's block refcounts).
 
-Oracle (DESIGN.md, prefix sharing contract): a request that reuses a cached prefix ends up with exactly the stored
+Oracle (docs/design.md, prefix sharing contract): a request that reuses a cached prefix ends up with exactly the stored
 state, logits and greedy tokens of the same prompt prefilled alone, on a fresh runner, in chunks split at the shared
 boundary (attend, then append) — computed here with runner.step directly, chunk by chunk, no prefix cache involved.
 Bit-exact (torch.equal) for kivi2, kivi4, a recipe with sinks and rotation, and fp16. And the pool: a block a live

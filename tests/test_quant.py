@@ -1,4 +1,4 @@
-"""The reference quantizer and packing (trtllm_kivi/reference/quant.py, kv.py) against DESIGN.md's quantization
+"""The reference quantizer and packing (trtllm_kivi/reference/quant.py, kv.py) against docs/design.md's quantization
 contract.
 
 Oracles: pure-Python integer bit assembly for packing; a per-group numpy loop written here for K/V grouping; an error

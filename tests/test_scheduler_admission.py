@@ -2,7 +2,7 @@
 serving exports as metrics (trtllm_kivi/runtime/scheduler.py, runtime/kv_usage.py, serving/metrics.py).
 
 Oracle: each request run alone on a fresh runner with a full pool (tests/test_scheduler_batching.py's `alone`), and
-the block arithmetic of DESIGN.md's streaming contract (n_q(T) = max(0, floor((T - R) / G)) * G tokens quantized,
+the block arithmetic of docs/design.md's streaming contract (n_q(T) = max(0, floor((T - R) / G)) * G tokens quantized,
 block_size tokens per block)."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 nvidia-pytriton, python backend) on 127.0.0.1: load, cancellation, KV capacity pressure, metrics and SIGTERM.
 
 Oracle: the offline path in this process (the same model and KV spec through runtime.generate.generate, one request
-alone on a fresh cache), token for token; the block arithmetic of DESIGN.md's streaming contract for the pool.
+alone on a fresh cache), token for token; the block arithmetic of docs/design.md's streaming contract for the pool.
 
 The load test is short in CI (8 streaming clients x 12 s against 4 slots, so requests queue);
 TRTLLM_KIVI_SERVING_LOAD=long runs 32 clients x 60 s, and TRTLLM_KIVI_SERVING_LOAD_REPORT=FILE writes its figures

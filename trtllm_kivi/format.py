@@ -97,7 +97,7 @@ DEFAULT_BLOCK_SIZE = 128
 DEFAULT_SCALE_DTYPE = "float16"
 DEFAULT_KEY_GROUPING = "per_channel"
 DEFAULT_SINK_TOKENS = 0  # the paper's KIVI; recipes add sinks explicitly (runtime/kvspec.py)
-DEFAULT_ROTATION = "none"  # never on by default: it helps some models and hurts others (DESIGN.md)
+DEFAULT_ROTATION = "none"  # never on by default: it helps some models and hurts others (docs/design.md)
 
 # Fragment order (see the module docstring): tiles of 16 tokens, 32 lanes, nw = D * bits / 64 words per lane.
 MMA_TILE_TOKENS = 16

@@ -8,7 +8,7 @@ attention in every layer).
 
 What it stores is this project's cache, not a copy of it: every batch row is a sequence in a trtllm_kivi.cache
 KiviCache (or FullCache for fp16/bf16/fp32), fed through its begin_step / attention / end_step, so the codes,
-scales, zeros, window and streaming schedule are exactly the format's (DESIGN.md "Streaming semantics"), and
+scales, zeros, window and streaming schedule are exactly the format's (docs/design.md "Streaming semantics"), and
 `cache.store.sequence_state(row, layer)` shows them.
 
 How transformers' attention sees KIVI semantics exactly. transformers calls `update(key_states, value_states,

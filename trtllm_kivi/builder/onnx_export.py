@@ -5,7 +5,7 @@ Built with onnx.helper from the model's own tensors rather than torch.onnx.expor
 networks are strongly typed), the custom node needs 15 inputs / 10 outputs with cache aliasing that a tracer would
 have to be taught through a custom symbolic, and the result does not depend on the torch exporter of the day.
 
-One graph run is one step of a ragged batch (DESIGN.md): the tokens of B sequences concatenated.
+One graph run is one step of a ragged batch (docs/design.md): the tokens of B sequences concatenated.
 
     inputs   input_ids [tokens] int32, positions [tokens] int32, slot_ids / past_len / chunk_len [batch] int32,
              block_table [batch, max_blocks] int32, logit_rows [rows] int32 (rows of the step whose logits are

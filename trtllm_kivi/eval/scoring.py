@@ -1,6 +1,6 @@
 """Decode-mode scoring: prefill a prefix, then feed the rest through the cache and keep every position's logits.
 
-Per DESIGN.md's streaming contract a chunk [s, e) reproduces token-by-token decoding exactly when no flush point
+Per docs/design.md's streaming contract a chunk [s, e) reproduces token-by-token decoding exactly when no flush point
 S + R + kG (k >= 1) lies strictly inside (s, e). `chunk_plan` cuts a range at every flush point of every KIVI
 configuration being compared (and at `max_chunk`), so all configurations see the same chunk shapes and every
 chunk is exact for each of them: scoring in chunks costs one forward per chunk instead of one per token.

@@ -1,4 +1,4 @@
-"""Group quantization and int32 packing: the executable spec of DESIGN.md's quantization contract.
+"""Group quantization and int32 packing: the executable spec of docs/design.md's quantization contract.
 
 Per group: mn = min, mx = max (fp32); scale = (mx - mn) / (2^b - 1); both are cast to the scale dtype and the
 *stored* values are what the codes are computed from:

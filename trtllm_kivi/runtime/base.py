@@ -14,7 +14,7 @@ from ..format import Geometry, KiviConfig
 
 class Runner(ABC):
     """Sequences live in cache slots; a step feeds each listed slot a chunk of new tokens (prompt or generated)
-    and returns logits. Attend-then-append per DESIGN.md's streaming contract."""
+    and returns logits. Attend-then-append per docs/design.md's streaming contract."""
 
     name: str  # "torch", "onnxruntime" or "tensorrt"
     vocab_size: int
