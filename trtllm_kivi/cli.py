@@ -17,6 +17,8 @@ COMMANDS = [
     "eval",
     "bench",
     "triton",
+    "serve",
+    "models",
 ]
 
 

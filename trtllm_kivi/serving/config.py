@@ -36,6 +36,7 @@ class ServingConfig:
     default_max_tokens: int = 64
     num_threads: int | None = None  # torch CPU threads in the serving process (None: torch's default)
     attention_backend: str = "auto"  # KIVI attention backend of the torch runner (cache.BACKEND_CHOICES)
+    prefix_caching: bool = True  # share cached prompt prefixes (runtime/prefix_cache.py)
     package_root: str = PACKAGE_ROOT  # where `import trtllm_kivi` comes from inside the Triton python backend
 
     def __post_init__(self) -> None:

@@ -73,7 +73,8 @@ class TritonPythonModel:
             self.cfg = ServingConfig.from_json(f.read())
         self.runner, self.tokenizer = load_runner(self.cfg)
         self.scheduler = Scheduler(self.runner, self.tokenizer, max_batch_tokens=self.cfg.max_batch_tokens,
-                                   prefill_chunk=self.cfg.prefill_chunk).start()
+                                   prefill_chunk=self.cfg.prefill_chunk,
+                                   prefix_caching=self.cfg.prefix_caching).start()
         self.eos = tuple(getattr(self.tokenizer, "eos_ids", ()) or ())
         self.metrics = TritonMetrics(pb_utils, self.scheduler, args["model_name"])
         pb_utils.Logger.log_info(f"trtllm-kivi model at {model_dir}: {self.cfg.engine or self.cfg.model}, "
