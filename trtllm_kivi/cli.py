@@ -18,7 +18,6 @@ COMMANDS = [
     "bench",
     "triton",
     "serve",
-    "models",
 ]
 
 
