@@ -5,8 +5,11 @@
 #                                 [--jobs N] [--debug]
 #
 # --arch           CUDA architectures (CMAKE_CUDA_ARCHITECTURES); "90" or "80;90" (default "80;90"; $KIVI_CUDA_ARCHS).
+#                  Engines run only where the plugin has code for their GPU: "80;120" covers every TensorRT-RTX
+#                  target the kernels run on (8.0, 8.6, 8.9, 12.0, 12.1), "90" Hopper (docs/tensorrt.md).
 # --build-dir      out-of-source build directory (default <repo>/build/plugins, git-ignored).
-# --tensorrt-root  TensorRT install/headers directory, passed to CMake as TensorRT_ROOT (default $TensorRT_ROOT).
+# --tensorrt-root  TensorRT install/headers directory, passed to CMake as TensorRT_ROOT (default $TensorRT_ROOT):
+#                  e.g. a checkout of github.com/NVIDIA/TensorRT (its include/ holds the public headers).
 # --ptxas-verbose  print ptxas register/spill usage per kernel.
 # Exits nonzero on any configure or compile error. Prints the library path on success.
 set -euo pipefail
@@ -27,7 +30,7 @@ while [[ $# -gt 0 ]]; do
     --ptxas-verbose) PTXAS=ON; shift ;;
     --jobs) JOBS="$2"; shift 2 ;;
     --debug) BUILD_TYPE=Debug; shift ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "build_plugin.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -57,4 +60,10 @@ echo "build_plugin.sh: built ${LIB} in $((end - start)) s"
 # KiviAttention plugin status (written by plugins/kiviAttentionPlugin/CMakeLists.txt): built, or skipped and why.
 if [[ -f "${BUILD_DIR}/kivi_plugin_status.txt" ]]; then
   echo "build_plugin.sh: KiviAttention plugin: $(cat "${BUILD_DIR}/kivi_plugin_status.txt")"
+fi
+# The GPU code in the plugin (trtllm-kivi build checks it against an engine's targets and refuses a mismatch).
+PLUGIN="${BUILD_DIR}/libtrtllm_kivi_plugin.so"
+CUOBJDUMP="$(command -v cuobjdump || ls "${ROOT}"/.venv/lib/python3*/site-packages/nvidia/cu*/bin/cuobjdump 2>/dev/null | head -n1 || true)"
+if [[ -f "${PLUGIN}" && -n "${CUOBJDUMP}" ]]; then
+  echo "build_plugin.sh: KiviAttention plugin GPU code: $("${CUOBJDUMP}" --list-elf "${PLUGIN}" | grep -o 'sm_[0-9]*' | sort -u -V | tr '\n' ' ')"
 fi

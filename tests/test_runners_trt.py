@@ -1,9 +1,10 @@
-"""The TensorRT path end to end: `build` of a tiny checkpoint compiles the engine (plugin library embedded), and the
-tensorrt runner (runtime/trt_runner.py) drives it over a ragged prefill and decode steps.
+"""The TensorRT path end to end on a GPU: `build` of a tiny checkpoint compiles the engine (plugin library embedded)
+for the GPU here, and the tensorrt runner (runtime/trt_runner.py) drives it over a ragged prefill and decode steps.
 
 Oracle: the torch runtime on the GPU in the same dtype (TorchRunner over a KiviCache with the same config).
-Needs TensorRT (`import tensorrt`), a CUDA GPU and the built plugin library; skips naming the missing piece.
-Not run on any machine of this project so far (none has TensorRT)."""
+Needs a TensorRT Python package (trtllm_kivi.trt: NVIDIA's TensorRT, or TensorRT-RTX on a GPU it targets), a CUDA
+GPU and the built plugin library; skips naming the missing piece. Not run on any machine of this project so far (the
+lent GPUs were SM 9.0, which TensorRT-RTX does not target, and NVIDIA's TensorRT is not installable here)."""
 
 import json
 
@@ -11,15 +12,15 @@ import pytest
 import torch
 
 from trtllm_kivi.builder.build import BuildOptions, build
-from trtllm_kivi.models.tiny import write_tiny_checkpoint
+from trtllm_kivi.builder.trt_build import EngineUnavailable, engine_plan, find_tensorrt_or_unavailable
 from trtllm_kivi.cache import KiviCache
 from trtllm_kivi.format import KiviConfig
-from trtllm_kivi.plugin import PLUGIN_LIBRARY_NAME, find_plugin_library
-
-trt = pytest.importorskip("tensorrt", reason="TensorRT's Python package (import tensorrt) is not installed")
+from trtllm_kivi.models.tiny import write_tiny_checkpoint
+from trtllm_kivi.trt import find_plugin
 
 pytestmark = [
     pytest.mark.trt,
+    pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU (torch.cuda.is_available() is False)"),
 ]
 
@@ -29,14 +30,22 @@ CFG = KiviConfig(residual_length=32)
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     try:
-        lib = find_plugin_library()
+        find_tensorrt_or_unavailable()
+    except EngineUnavailable as e:
+        pytest.skip(f"no TensorRT: {e}")
+    try:
+        lib = find_plugin()
     except FileNotFoundError as e:
-        pytest.skip(f"{PLUGIN_LIBRARY_NAME} not built: {e}")
+        pytest.skip(f"no plugin library: {e}")
+    try:
+        engine_plan(lib)
+    except EngineUnavailable as e:  # e.g. TensorRT-RTX on an SM 9.0 GPU: it cannot target it
+        pytest.skip(f"no engine for the GPU here: {e}")
     root = tmp_path_factory.mktemp("trt")
     ckpt = write_tiny_checkpoint(root / "ckpt", head_dim=64, hidden_size=128)  # head_dim the kernels instantiate
     out = root / "build"
     build(BuildOptions(output=out, model=str(ckpt), kivi=CFG, max_batch_size=2, max_seq_len=256, check_steps=8,
-                       plugin_lib=str(lib)), progress=False)
+                       plugin_lib=str(lib), tensorrt="on"), progress=False)
     return ckpt, out
 
 
@@ -45,6 +54,7 @@ def test_build_embeds_the_engine(built):
     conf = json.loads((out / "build_config.json").read_text())
     assert conf["engine"]["built"] and (out / "model.engine").stat().st_size == conf["engine"]["bytes"]
     assert conf["files"]["engine"] == "model.engine"
+    assert conf["engine"]["targets"] == ["{}.{}".format(*torch.cuda.get_device_capability())]
 
 
 def test_trt_runner_matches_the_torch_runtime(built):

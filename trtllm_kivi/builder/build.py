@@ -6,7 +6,8 @@
     DIR/build_config.json     the one record of what was built (op.GraphInfo: KIVI config, geometry, dtype, maxima,
                               vocabulary) + FORMAT_VERSION, versions, check results, engine; runtime/build_folder.py
                               reads it for every runner and for serving
-    DIR/model.engine          the TensorRT engine, when TensorRT and the plugin library are present
+    DIR/model.engine          the TensorRT engine (NVIDIA's TensorRT or TensorRT-RTX, trtllm_kivi.trt), when a
+                              builder and the plugin library are here (--tensorrt auto) or required (on)
 
 Everything is written into a temporary folder next to DIR and renamed at the end, so a failed build leaves nothing
 (and a --force rebuild that fails leaves the previous build as it was).
@@ -26,9 +27,11 @@ from collections.abc import Callable
 
 from .. import __version__
 from ..format import FORMAT_VERSION, KiviConfig
-from ..op import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, ExportSpec
+from ..op import PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, ExportSpec, GraphInfo
+from ..trt import parse_compute_capability
 from ..runtime.build_folder import BUILD_CONFIG, BUILD_SCHEMA, ENGINE_FILE, ONNX_FILE
 from .onnx_export import export_llama, graph_info, save_model
+from .trt_build import TENSORRT_MODES, EngineUnavailable, EnginePlan, build_engine, plan_engine, trtexec_command
 
 # Real English text for the check's prompts (tokenized and repeated to the lengths the check needs).
 CHECK_TEXT = (
@@ -51,7 +54,9 @@ class BuildOptions:
     max_num_tokens: int | None = None  # tokens per step; default max_seq_len (a whole prompt in one step)
     force: bool = False
     check_steps: int = 64  # decode steps of the onnxruntime check (0: skip the check)
-    plugin_lib: str | None = None  # KiviAttention plugin library for the engine (default: plugin.find_plugin_library)
+    plugin_lib: str | None = None  # KiviAttention plugin library for the engine (default: trt.find_plugin)
+    tensorrt: str = "auto"  # engine: auto (when possible, else say why not) | on (or fail with the reason) | off
+    compute_capability: list[str] | None = None  # TensorRT-RTX targets (default: the GPU here, else a stated list)
 
     def spec(self) -> ExportSpec:
         return ExportSpec(self.dtype, self.max_batch_size, self.max_seq_len,
@@ -63,7 +68,7 @@ def versions() -> dict[str, str | None]:
     from importlib.metadata import PackageNotFoundError, version
 
     out: dict[str, str | None] = {"trtllm_kivi": __version__, "python": sys.version.split()[0]}
-    for pkg in ("torch", "onnx", "onnxruntime", "onnxruntime-extensions", "tensorrt"):
+    for pkg in ("torch", "onnx", "onnxruntime", "onnxruntime-extensions", "tensorrt", "tensorrt-rtx-cu13"):
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -75,9 +80,12 @@ def build_key(opts: BuildOptions, model_path: Path) -> dict:
     """What makes two builds the same build: the checkpoint and every option that shapes the output."""
     files = [model_path] if model_path.is_file() else [p for p in model_path.iterdir() if p.is_file()]
     stats = [p.stat() for p in files]
-    return {"model": str(model_path.resolve()), "model_bytes": sum(s.st_size for s in stats),
-            "model_mtime_ns": max((s.st_mtime_ns for s in stats), default=0),
-            "kivi_config": opts.kivi.to_dict(), **dataclasses.asdict(opts.spec()), "format_version": FORMAT_VERSION}
+    key = {"model": str(model_path.resolve()), "model_bytes": sum(s.st_size for s in stats),
+           "model_mtime_ns": max((s.st_mtime_ns for s in stats), default=0),
+           "kivi_config": opts.kivi.to_dict(), **dataclasses.asdict(opts.spec()), "format_version": FORMAT_VERSION}
+    if opts.compute_capability:  # only when named, so the keys of earlier builds stay what they were
+        key["compute_capability"] = list(opts.compute_capability)
+    return key
 
 
 def _existing(out: Path, key: dict, force: bool) -> str | None:
@@ -146,12 +154,20 @@ def build(opts: BuildOptions, log: Callable[[str], None] = print, progress: bool
     spec = opts.spec()  # validates dtype and maxima
     if opts.check_steps < 0:
         raise ValueError(f"check_steps={opts.check_steps} must be >= 0")
+    if opts.tensorrt not in TENSORRT_MODES:
+        raise ValueError(f"tensorrt={opts.tensorrt!r} is not supported; allowed: {', '.join(TENSORRT_MODES)}")
+    if opts.compute_capability:  # '86', 'sm_86' -> '8.6' (refused here when malformed, whatever --tensorrt)
+        opts = dataclasses.replace(opts, compute_capability=[parse_compute_capability(c)
+                                                             for c in opts.compute_capability])
     model_path = resolve_model(opts.model)
     out = Path(opts.output)
     key = build_key(opts, model_path)
     if _existing(out, key, opts.force) == "same":
-        log(f"{out} already holds this build (same model and options); nothing to do (--force rebuilds)")
-        return json.loads((out / BUILD_CONFIG).read_text())
+        old = json.loads((out / BUILD_CONFIG).read_text())
+        if old["engine"].get("built") or _plan_engine(opts, GraphInfo.from_dict(old))[0] is None:
+            log(f"{out} already holds this build (same model and options); nothing to do (--force rebuilds)")
+            return old
+        log(f"{out} holds this build without an engine; building it again with the engine")
 
     stages = ["load", "export", "write", "check", "engine", "finish"]
     bar = tqdm(total=len(stages) + opts.check_steps, disable=not progress, unit="step", file=sys.stderr,
@@ -169,6 +185,7 @@ def build(opts: BuildOptions, log: Callable[[str], None] = print, progress: bool
                              f"tokens; allowed: 1..{mc.max_seq_len}")
         info = graph_info(model, opts.kivi, spec)
         info.fields()  # validates the KIVI config against the geometry before any work
+        engine_plan, engine_why = _plan_engine(opts, info)  # --tensorrt on fails here, before any work
         bar.update()
 
         bar.set_postfix_str("export ONNX")
@@ -200,7 +217,7 @@ def build(opts: BuildOptions, log: Callable[[str], None] = print, progress: bool
         bar.update()
 
         bar.set_postfix_str("engine")
-        engine = _engine(tmp, out, opts, spec)
+        engine = _engine(tmp, out, opts, spec, engine_plan, engine_why, log)
         bar.update()
 
         config = {
@@ -226,22 +243,29 @@ def build(opts: BuildOptions, log: Callable[[str], None] = print, progress: bool
     return config
 
 
-def _engine(tmp: Path, out: Path, opts: BuildOptions, spec: ExportSpec) -> dict:
-    """Build the engine when TensorRT and the plugin library are here; else say how to finish on a TRT machine."""
-    from ..plugin import PLUGIN_LIBRARY_NAME, find_plugin_library
-    from .trt_build import build_engine, has_tensorrt, trtexec_command
-
+def _plan_engine(opts: BuildOptions, info: GraphInfo) -> tuple[EnginePlan | None, str]:
+    """(the engine build to do, or None and why not). --tensorrt on raises ValueError with the reason instead."""
+    if opts.tensorrt == "off":
+        return None, "--tensorrt off"
     try:
-        lib = find_plugin_library(opts.plugin_lib)
-    except FileNotFoundError as e:
-        lib, lib_error = None, str(e)
+        return plan_engine(info, opts.plugin_lib, opts.compute_capability), ""
+    except EngineUnavailable as e:
+        if opts.tensorrt == "on":
+            raise ValueError(f"--tensorrt on: cannot build the engine: {e}") from None
+        return None, str(e)
+
+
+def _engine(tmp: Path, out: Path, opts: BuildOptions, spec: ExportSpec, plan: EnginePlan | None, why: str,
+            log: Callable[[str], None]) -> dict:
+    """Build the engine as planned; else say why not and how to finish on a TensorRT machine."""
+    from ..plugin import PLUGIN_LIBRARY_NAME
+
+    lib = plan.plugin_lib if plan else None
     cmd = trtexec_command(out / ONNX_FILE, out / ENGINE_FILE, lib or f"/path/to/{PLUGIN_LIBRARY_NAME}", spec,
                           opts.kivi)
-    if not has_tensorrt():
-        return {"built": False, "reason": "the tensorrt Python package is not installed here", "trtexec": cmd}
-    if lib is None:
-        return {"built": False, "reason": lib_error, "trtexec": cmd}
-    facts = build_engine(tmp / ONNX_FILE, tmp / ENGINE_FILE, lib, spec, opts.kivi)
+    if plan is None:
+        return {"built": False, "reason": why, "trtexec": cmd}
+    facts = build_engine(tmp / ONNX_FILE, tmp / ENGINE_FILE, plan, spec, opts.kivi, log=log)
     return {"built": True, "trtexec": cmd, **facts}
 
 

@@ -1,6 +1,7 @@
 """`trtllm-kivi build`: compile a Llama checkpoint into a build folder: an ONNX graph whose attentions are
 KiviAttention nodes (+ external weights, tokenizer, build config), checked on the CPU with onnxruntime against the
-torch runtime, and a TensorRT engine when TensorRT and the plugin library are present."""
+torch runtime, and a TensorRT engine when a TensorRT builder (NVIDIA's TensorRT or TensorRT-RTX) and the plugin library
+are present."""
 
 from __future__ import annotations
 
@@ -25,7 +26,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-steps", type=int, default=64, help="decode steps of the onnxruntime check against "
                    "the torch runtime (default 64; 0 skips the check)")
     p.add_argument("--plugin-lib", help="KiviAttention plugin library for the engine (default: "
-                   "$TRTLLM_KIVI_PLUGIN_LIB or build/plugins/)")
+                   "$TRTLLM_KIVI_PLUGIN_LIB, build/plugins/ or build/plugins-rtx/)")
+    p.add_argument("--tensorrt", choices=("auto", "on", "off"), default="auto",
+                   help="the TensorRT engine: auto builds it when a TensorRT builder and the plugin library are here "
+                        "and says why not otherwise; on fails with the reason instead; off never builds it "
+                        "(default auto)")
+    p.add_argument("--compute-capability", metavar="CC[,CC...]",
+                   help="TensorRT-RTX targets, e.g. 8.6 or 8.0,12.0 (default: the GPU here, else 8.0,8.6,8.9,12.0,"
+                        "12.1); NVIDIA's TensorRT builds for the GPU it runs on")
     p.add_argument("--force", action="store_true", help="replace an existing different build in DIR")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     flags.add_kv(p)
@@ -37,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     opts = BuildOptions(output=Path(args.output), model=args.model, kivi=kv.kivi, dtype=args.dtype,
                         max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                         max_num_tokens=args.max_num_tokens, force=args.force, check_steps=args.check_steps,
-                        plugin_lib=args.plugin_lib)
+                        plugin_lib=args.plugin_lib, tensorrt=args.tensorrt,
+                        compute_capability=args.compute_capability.split(",") if args.compute_capability else None)
     # SIGTERM -> SystemExit, so the build's cleanup runs and no half-written folder is left.
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
@@ -63,7 +72,11 @@ def run(args: argparse.Namespace) -> int:
               f"{'PASSED' if chk['passed'] else 'FAILED'} (tolerance {chk['tolerances']['logit_atol']})")
     eng = cfg["engine"]
     if eng["built"]:
-        print(f"[engine] {out / eng['engine']} ({eng['bytes']:,d} bytes, TensorRT {eng['tensorrt']}, plugin embedded)")
+        flavour = "TensorRT-RTX" if eng.get("flavour") == "tensorrt_rtx" else "TensorRT"
+        print(f"[engine] {out / eng['engine']} ({eng['bytes']:,d} bytes, {flavour} {eng['tensorrt']}, compute "
+              f"capability {', '.join(eng.get('targets', []))}, {eng.get('seconds', 0):.1f} s, plugin embedded)")
+    elif eng["reason"] == "--tensorrt off":
+        print("[engine] not built (--tensorrt off). To build it on a TensorRT machine:\n  " + eng["trtexec"])
     else:
         print(f"[engine] not built: {eng['reason']}. To build it on a TensorRT machine:\n  {eng['trtexec']}")
     print(f"[run] trtllm-kivi run --engine {out} --prompt \"...\"")

@@ -67,17 +67,27 @@ class BuildFolder:
         return ModelConfig(**d)
 
     def tensorrt_unavailable(self) -> str | None:
-        """Why the tensorrt runner cannot run here (None: it can)."""
+        """Why the tensorrt runner cannot run here (None: it can): no engine, not the TensorRT flavour that built it
+        (trtllm_kivi.trt), no GPU, or a GPU that is not one of a TensorRT-RTX engine's compute capabilities."""
+        from ..trt import TensorRTUnavailable, find_tensorrt
+
+        engine = self.config["engine"]
         if self.engine_path is None:
-            return f"the folder has no engine ({self.config['engine'].get('reason', 'not built')})"
+            return f"the folder has no engine ({engine.get('reason', 'not built')})"
+        flavour = engine.get("flavour", "tensorrt")
         try:
-            import tensorrt  # noqa: F401
-        except ImportError:
-            return "the tensorrt Python package is not installed"
+            find_tensorrt(flavour)
+        except TensorRTUnavailable:
+            return f"the engine was built by {flavour}, whose Python package is not installed here"
         import torch
 
         if not torch.cuda.is_available():
             return "no CUDA GPU (torch.cuda.is_available() is False)"
+        cc = "{}.{}".format(*torch.cuda.get_device_capability())
+        targets = engine.get("targets")
+        if targets and cc not in targets:
+            return (f"the GPU here has compute capability {cc}; the engine was built for {', '.join(targets)} "
+                    f"(docs/tensorrt.md: what runs where)")
         return None
 
 

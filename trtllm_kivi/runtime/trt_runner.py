@@ -4,8 +4,11 @@ inputs and, aliased, to its present.* outputs, so the KiviAttention plugin updat
 cache outputs are not aliased to their inputs is refused (the plugin never copies a cache pool). Each layer's
 status.* output (the kernels' error bits) is checked after every step.
 
-Written against TensorRT 11's Python API (ICudaEngine / IExecutionContext with named I/O tensors and
-execute_async_v3); not run on any machine of this project (no TensorRT here): the tests are marked `trt`.
+Written against the one TensorRT API of trtllm_kivi.trt (NVIDIA's TensorRT 11 or TensorRT-RTX: ICudaEngine /
+IExecutionContext with named I/O tensors and execute_async_v3), with the TensorRT flavour that built the engine; a
+TensorRT-RTX engine runs only on a GPU whose compute capability is one of its targets (BuildFolder.
+tensorrt_unavailable says why not). Engines are built on the CPU by TensorRT-RTX; running one needs such a GPU, and
+none of this project's machines has run one: tests/test_runners_trt.py is marked `trt` and skips without a GPU.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from ..cache import KiviCache
 from ..op import LOGITS, cache_io_names, describe_status, status_name
 from ..reference.quant import torch_dtype
+from ..trt import find_tensorrt
 from .base import CacheRunner
 from .build_folder import BuildFolder
 
@@ -30,29 +34,23 @@ class TrtRunner(CacheRunner):
     cache: KiviCache
 
     def __init__(self, build: str | Path | BuildFolder, device: str = "cuda", plugin_lib: str | None = None) -> None:
-        import tensorrt as trt
-
         folder = build if isinstance(build, BuildFolder) else BuildFolder.open(build)
-        if folder.engine_path is None:
-            raise ValueError(f"{folder.path} has no engine (built without TensorRT): "
-                             f"{folder.config['engine'].get('reason')}")
-        if not torch.cuda.is_available():
-            raise ValueError("the TensorRT runner needs a CUDA GPU; torch.cuda.is_available() is False")
+        why_not = folder.tensorrt_unavailable()
+        if why_not:
+            raise ValueError(f"cannot run {folder.path} with TensorRT: {why_not}")
+        t = find_tensorrt(folder.config["engine"].get("flavour", "tensorrt"))
         self.info = info = folder.info
         self.vocab_size = info.vocab_size
         self.max_slots, self.max_seq_len = info.spec.max_batch_size, info.spec.max_seq_len
         self.max_num_tokens = info.spec.max_num_tokens
         self.device = torch.device(device)
 
-        self._logger = trt.Logger(trt.Logger.WARNING)
-        self._runtime = trt.Runtime(self._logger)
-        self._runtime.engine_host_code_allowed = True  # the plugin library is embedded in the engine
+        self._logger = t.logger()
+        self._runtime = t.runtime(self._logger)  # host code allowed: the plugin library is embedded in the engine
         if plugin_lib:  # a library given explicitly (e.g. an engine built without embedding) is registered too
-            self._runtime.get_plugin_registry().load_library(str(plugin_lib))
-        self.engine = self._runtime.deserialize_cuda_engine(folder.engine_path.read_bytes())
-        if self.engine is None:
-            raise RuntimeError(f"TensorRT could not deserialize {folder.engine_path} (see the log "
-                               f"above; a TensorRT older than the builder's, or a missing KiviAttention plugin)")
+            t.load_plugin_library(self._runtime, plugin_lib, self._logger)
+        assert folder.engine_path is not None  # tensorrt_unavailable checked it
+        self.engine = t.deserialize(self._runtime, folder.engine_path.read_bytes(), self._logger)
         self.context = self.engine.create_execution_context()
         self.stream = torch.cuda.Stream(self.device)
 
