@@ -414,7 +414,7 @@ class KiviCache(KVCache):
         # (tests/test_prefix_cache.py: eviction never frees a block in use).
         self._refs = [0] * self.num_blocks
         self._cached = [False] * self.num_blocks
-        self.reclaim: Callable[[int], None] | None = None
+        self.reclaim: Callable[[int], int] | None = None
 
     def free_sequence(self, slot: int) -> None:
         super().free_sequence(slot)

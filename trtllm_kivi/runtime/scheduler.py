@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from ..cache import KiviCache
 from . import kv_usage
 from .base import Runner
 from .detokenize import Detokenizer
@@ -284,7 +285,7 @@ class Scheduler:
                 if r.fed < len(r.prompt):
                     r.fed += len(chunk)
                     self.prompt_tokens += len(chunk)
-                    if self.prefix is not None:
+                    if self.prefix is not None and r.slot is not None:
                         self.prefix.register(r.slot, r._hashes, r.fed)
                     if r.fed < len(r.prompt):
                         continue  # a middle prompt chunk: its logits predict prompt tokens
@@ -340,7 +341,9 @@ class Scheduler:
         if self.prefix is None or not self.prefix.kivi:
             return self.blocks_reserved
         cache = self.prefix.cache
-        return cache.blocks_in_use + sum(r._blocks - len(cache.blocks_of(r.slot)) for r in self._running)  # type: ignore[attr-defined]
+        assert isinstance(cache, KiviCache)
+        return cache.blocks_in_use + sum(r._blocks - len(cache.blocks_of(r.slot)) for r in self._running
+                                         if r.slot is not None)
 
     def _build_batch(self) -> list[tuple[Request, list[int]]]:
         """Decode tokens first (one per decoding request), then whole prompt chunks in arrival order while the

@@ -19,7 +19,7 @@ import json
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
@@ -74,7 +74,7 @@ class GenerationResponse(Response):
     """Streams a generation (SSE) or sends it whole, and cancels the request when the client goes away."""
 
     def __init__(self, request: Request, body: Callable[[], AsyncIterator[bytes]] | None,
-                 result: Callable[[], asyncio.Future] | None) -> None:
+                 result: Callable[[], Awaitable[tuple[int, bytes]]] | None) -> None:
         self.request, self.body_iter, self.result = request, body, result
         self.background = None
 
