@@ -1,11 +1,11 @@
 """Prefix sharing: a prompt prefix's stored state, computed once, reused by every request whose prompt starts with it.
 
-What a prefix's state is. After T tokens a KIVI sequence holds (docs/design.md, streaming semantics) the sinks
-[0, S) and the ring's tokens [S + n_q(T), T) in full precision (its slot's window) and the n_q(T) tokens between them
-quantized in pool blocks of block_size (bs) tokens. The state is a pure function of the tokens' K/V, and the K/V of token t are
-a function of tokens [0, t] and of where the chunks that computed them were split (a chunk attends to its own tokens
-in full precision, to earlier ones as stored). So the state after T tokens is fixed by the tokens [0, T) and the
-chunk boundaries below T.
+What a prefix's state is. After T tokens a KIVI sequence holds (docs/design.md, streaming semantics) the sinks [0,
+S) and the ring's tokens [S + n_q(T), T) in full precision (its slot's window) and the n_q(T) tokens between them
+quantized in pool blocks of block_size (bs) tokens. The state is a pure function of the tokens' K/V, and the K/V of
+token t are a function of tokens [0, t] and of where the chunks that computed them were split (a chunk attends to
+its own tokens in full precision, to earlier ones as stored). So the state after T tokens is fixed by the tokens [0,
+T) and the chunk boundaries below T.
 
 Which part is immutable blocks. A block is complete once its bs tokens are quantized; the sequence never writes it
 again (later flushes go to later blocks). The window is not: its ring is rewritten as the sequence grows, so it is
