@@ -7,7 +7,7 @@ Every case is one sequence (batch 1) whose history of n tokens is stored by the 
 `chunk` tokens through the kernels (attention phase only). Inputs come from numpy's PCG64 (the same bits on both
 machines; a checksum per case proves it), so `analyze` rebuilds them and computes the reference
 (reference.kivi_attention_), the lane-level emulation of the kernels (cuda.mma_model.attention, same plan) and the
-derived tolerance (mma_model.step_tolerance) without device time. Contents isolate the two halves of the kernel:
+derived tolerance (mma_model.step_tolerance) without a GPU. Contents isolate the two halves of the kernel:
   rand  K, V ~ N(0, 1);
   kzero K = 0 (every score equal): out = the mean of V, so only the value path (codes, V scales, bias, l) matters;
   vhot  V[t] = one-hot(t mod D): out[c] = the softmax weight of the keys t = c (mod D), so only the score path

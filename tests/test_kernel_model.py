@@ -1,16 +1,15 @@
-"""benchmarks/kernel_model.py, the static performance model of the decode kernels (CPU only).
+"""tools/kernel_model, the static performance model of the decode kernels (CPU only).
 
 Oracles: the bank model on patterns whose wavefront counts follow from 32 banks x 4 bytes; the occupancy arithmetic of
 the CUDA occupancy rules worked by hand; the launch plan against trtllm_kivi/cuda/launch.py (itself tested against the
-C++ kiviLaunchPlan in test_kernels_host.py) and issue 12's numbers (9 splits, 576 CTAs, 528 slots, 1.09 waves); the
-SASS walker on a tiny nvcc-compiled kernel whose executed counts are known from its source; the calibration against
-issue 12's hand count of today's kernels (within 20%); determinism of two runs. The compile-based tests skip with the
-missing tool's name when nvcc or the nvdisasm / cuobjdump wheels are absent.
+C++ kiviLaunchPlan in test_kernels_host.py) and the numbers the mma.sync kernel was designed from (9 splits, 576 CTAs,
+528 slots, 1.09 waves); the SASS walker on a tiny nvcc-compiled kernel whose executed counts are known from its
+source; the calibration against the hand count of the SIMT and WMMA kernels (within 20%); determinism of two runs.
+The compile-based tests skip with the missing tool's name when nvcc or the nvdisasm / cuobjdump wheels are absent.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import sys
@@ -22,18 +21,19 @@ from trtllm_kivi.cuda import launch as cpu_model
 from trtllm_kivi.format import KiviConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("kernel_model", ROOT / "benchmarks" / "kernel_model.py")
-km = importlib.util.module_from_spec(_spec)
-sys.modules["kernel_model"] = km
-_spec.loader.exec_module(km)
+if str(ROOT) not in sys.path:  # tools/ is the repository's, not the installed package's
+    sys.path.insert(0, str(ROOT))
+from tools.kernel_model import __main__ as cli  # noqa: E402
+from tools.kernel_model import (analysis, append, banks, kernels, plan, predict, report, sass, shapes,  # noqa: E402
+                                spec, toolchain)
 
 
 def _tools_or_skip() -> None:
     try:
-        km.find_nvcc()
-        km.find_wheel_tool("nvdisasm")
-        km.find_wheel_tool("cuobjdump")
-    except km.ToolMissing as exc:
+        toolchain.find_nvcc()
+        toolchain.find_wheel_tool("nvdisasm")
+        toolchain.find_wheel_tool("cuobjdump")
+    except toolchain.ToolMissing as exc:
         pytest.skip(f"kernel model needs its tools: {exc}")
 
 
@@ -41,29 +41,29 @@ def _tools_or_skip() -> None:
 
 
 def test_bank_model_known_patterns():
-    assert km.wavefronts([lane * 4 for lane in range(32)], 4) == 1  # consecutive words
-    assert km.wavefronts([lane * 128 for lane in range(32)], 4) == 32  # stride 32 words: one bank, 32 words
-    assert km.wavefronts([lane * 64 for lane in range(32)], 4) == 16  # stride 16 words: 2 banks x 16 words
-    assert km.wavefronts([0] * 32, 4) == 1  # broadcast
-    assert km.wavefronts([lane * 2 for lane in range(32)], 2) == 1  # 16-bit consecutive: 16 words
-    assert km.wavefronts([lane * 16 for lane in range(32)], 16) == 4  # 512 contiguous bytes
-    assert km.wavefronts([lane * 8 for lane in range(32)], 8) == 2
-    assert km.wavefronts([lane * 129 * 4 for lane in range(32)], 4) == 1  # padded rows (kS[lane][d])
-    assert km.wavefronts([None] * 31 + [0], 4) == 1
-    assert km.wavefronts([None] * 32, 4) == 0
+    assert banks.wavefronts([lane * 4 for lane in range(32)], 4) == 1  # consecutive words
+    assert banks.wavefronts([lane * 128 for lane in range(32)], 4) == 32  # stride 32 words: one bank, 32 words
+    assert banks.wavefronts([lane * 64 for lane in range(32)], 4) == 16  # stride 16 words: 2 banks x 16 words
+    assert banks.wavefronts([0] * 32, 4) == 1  # broadcast
+    assert banks.wavefronts([lane * 2 for lane in range(32)], 2) == 1  # 16-bit consecutive: 16 words
+    assert banks.wavefronts([lane * 16 for lane in range(32)], 16) == 4  # 512 contiguous bytes
+    assert banks.wavefronts([lane * 8 for lane in range(32)], 8) == 2
+    assert banks.wavefronts([lane * 129 * 4 for lane in range(32)], 4) == 1  # padded rows (kS[lane][d])
+    assert banks.wavefronts([None] * 31 + [0], 4) == 1
+    assert banks.wavefronts([None] * 32, 4) == 0
 
 
-def test_declared_mappings_give_the_conflicts_issue_12_names():
+def test_declared_mappings_give_the_known_conflicts():
     """The SIMT V staging store (kiviAttention.cuh vS[tok][wi * 16 + i]) is 16-way; its K store and the padded
     kS[lane][d] read are conflict-free; the WMMA kernel's 16-bit V store is 4-way."""
-    ctx = km.Ctx(km.MODELS["llama-3-8b"], True)
-    by = {(a.text, a.op): km.wavefronts(a.lanes(ctx), 4 if a.op != "LDSM" else 16) for a in km.SIMT_SMEM}
+    ctx = spec.Ctx(shapes.MODELS["llama-3-8b"], True)
+    by = {(a.text, a.op): banks.wavefronts(a.lanes(ctx), 4 if a.op != "LDSM" else 16) for a in kernels.SIMT_SMEM}
     assert by[("storeSmem<T>(vS[tok][wi * kPW + i]", "STS")] == 16
     assert by[("storeSmem<T>(kS[wi * kPW + i][d]", "STS")] == 1
     assert by[("float const kv = kS[lane][d];", "LDS")] == 1
-    tc = {(a.text, a.op): a for a in km.TC_SMEM}
-    assert km.wavefronts(tc[("storeSmem<T>(vS[tok][wi * kPW + i]", "STS")].lanes(ctx), 2) == 4
-    assert km.wavefronts(tc[("wmma::load_matrix_sync(aFrag, &qS[0][kk * 16], kLDH);", "LDSM")].lanes(ctx), 16) == 4
+    tc = {(a.text, a.op): a for a in kernels.TC_SMEM}
+    assert banks.wavefronts(tc[("storeSmem<T>(vS[tok][wi * kPW + i]", "STS")].lanes(ctx), 2) == 4
+    assert banks.wavefronts(tc[("wmma::load_matrix_sync(aFrag, &qS[0][kk * 16], kLDH);", "LDSM")].lanes(ctx), 16) == 4
 
 
 # ----------------------------------------------------------------------------------------------- occupancy
@@ -77,13 +77,13 @@ def test_declared_mappings_give_the_conflicts_issue_12_names():
     (24, 0, "H200", 16, "threads"),  # 2048 / 128 (registers would allow 21)
 ])
 def test_occupancy_arithmetic(regs, smem, gpu, ctas, limiter):
-    occ = km.occupancy(km.Resources(regs, smem, 0, 0, 0), 128, km.GPUS[gpu])
+    occ = plan.occupancy(plan.Resources(regs, smem, 0, 0, 0), 128, shapes.GPUS[gpu])
     assert occ["ctas_per_sm"] == ctas
     assert occ["limiter"] == limiter
 
 
 def test_occupancy_cta_limit():
-    occ = km.occupancy(km.Resources(16, 0, 0, 0, 0), 32, km.GPUS["H200"])
+    occ = plan.occupancy(plan.Resources(16, 0, 0, 0, 0), 32, shapes.GPUS["H200"])
     assert occ["ctas_per_sm"] == 32 and occ["limiter"] == "cta_limit"
 
 
@@ -97,15 +97,15 @@ def test_occupancy_cta_limit():
 def test_launch_plan_matches_kiviparams(model, batch, context, sms):
     """The model's mirror of the tree's kiviLaunchPlan: today's split rule (4 CTAs per SM target) or, once the
     mma.sync kernel's plan is in the tree (cpu_model.launch_plan takes ctas_per_sm), that rule at 3 CTAs per SM."""
-    shape = km.MODELS[model]
+    shape = shapes.MODELS[model]
     cfg = KiviConfig()
     mbs = -(-context // cfg.block_size)
     args = (cfg, shape.num_heads, shape.num_kv_heads, shape.head_dim, batch, batch, mbs, 1, context, sms)
     if "ctas_per_sm" in inspect.signature(cpu_model.launch_plan).parameters:
-        got = km.mma_launch_plan(shape, batch, context, sms, context, 3)
+        got = plan.mma_launch_plan(shape, batch, context, sms, context, 3)
         want = cpu_model.launch_plan(*args, ctas_per_sm=3)
     else:
-        got = km.launch_plan(shape, batch, context, sms, context)
+        got = plan.launch_plan(shape, batch, context, sms, context)
         want = cpu_model.launch_plan(*args)
     assert (got.num_tiles, got.split_len, got.num_splits) == (want.num_tiles, want.split_len, want.num_splits)
     infos, _ = cpu_model.prepare(want, cfg, list(range(batch)), [context - 1] * batch, [1] * batch,
@@ -114,12 +114,13 @@ def test_launch_plan_matches_kiviparams(model, batch, context, sms):
     assert all(i.split_len == got.seq_split_len for i in infos)
 
 
-def test_waves_of_issue_12():
-    """Issue 12: Llama-3-8B, batch 8, 32K on 132 SMs: 9 splits -> 576 CTAs for 528 resident slots, 1.09 waves."""
-    plan = km.launch_plan(km.MODELS["llama-3-8b"], 8, 32768, 132, 32768)
-    assert plan.num_splits == 9
-    assert plan.num_tiles * 8 * plan.num_splits == 576
-    occ = km.occupancy(km.Resources(128, 41088, 0, 0, 0), 128, km.GPUS["H200"])
+def test_waves_of_the_simt_kernel():
+    """The SIMT kernel's plan, Llama-3-8B, batch 8, 32K on 132 SMs: 9 splits -> 576 CTAs for 528 resident slots,
+    1.09 waves."""
+    lp = plan.launch_plan(shapes.MODELS["llama-3-8b"], 8, 32768, 132, 32768)
+    assert lp.num_splits == 9
+    assert lp.num_tiles * 8 * lp.num_splits == 576
+    occ = plan.occupancy(plan.Resources(128, 41088, 0, 0, 0), 128, shapes.GPUS["H200"])
     assert occ["ctas_per_sm"] * 132 == 528
     assert round(576 / 528, 2) == 1.09
 
@@ -128,19 +129,19 @@ def test_mma_plan_fills_one_wave():
     """The new kernel's split rule (splits = slots / (tiles x Hkv)): Llama-3-8B, batch 8, 32K, 3 CTAs/SM on 132 SMs ->
     396 slots, 8 x 8 = 64 base CTAs, 6 splits of 5,472 keys = 384 CTAs, one wave; never more CTAs than slots while
     tiles x Hkv fit in them."""
-    plan = km.mma_launch_plan(km.MODELS["llama-3-8b"], 8, 32768, 132, 32768, 3)
-    assert (plan.num_tiles, plan.num_splits, plan.split_len) == (8, 6, 5472)
-    for model in km.MODELS.values():
+    lp = plan.mma_launch_plan(shapes.MODELS["llama-3-8b"], 8, 32768, 132, 32768, 3)
+    assert (lp.num_tiles, lp.num_splits, lp.split_len) == (8, 6, 5472)
+    for model in shapes.MODELS.values():
         for batch in (1, 8, 32):
             for ctx in (4096, 32768, 131072):
-                p = km.mma_launch_plan(model, batch, ctx, 132, ctx, 3)
+                p = plan.mma_launch_plan(model, batch, ctx, 132, ctx, 3)
                 base = p.num_tiles * model.num_kv_heads
                 assert base * p.num_splits <= max(396, base)
 
 
 def test_kivi_tile_bytes():
-    assert km.kivi_tile_bytes(km.MODELS["llama-3-8b"]) == 3072  # issue 12's "3,072-byte tile"
-    assert km.kivi_code_words(km.MODELS["llama-3-8b"]) == 512
+    assert spec.kivi_tile_bytes(shapes.MODELS["llama-3-8b"]) == 3072  # the "3,072-byte tile"
+    assert spec.kivi_code_words(shapes.MODELS["llama-3-8b"]) == 512
 
 
 # ----------------------------------------------------------------------------------------------- SASS parsing
@@ -169,7 +170,7 @@ SASS = """
 
 
 def test_parse_sass_stacks_blocks_and_loops():
-    funcs = km.parse_sass(SASS)
+    funcs = sass.parse_sass(SASS)
     ins = funcs["myKernel"]
     assert [i.opcode for i in ins] == ["MOV", "LDS.128", "BRA", "FFMA", "BRA", "BRA.DIV", "LDS", "CALL.REL.NOINC",
                                        "EXIT", "WARPSYNC.ALL", "BRA"]
@@ -177,18 +178,18 @@ def test_parse_sass_stacks_blocks_and_loops():
     assert ins[2].stack == ins[1].stack and ins[2].pred == "@!P0"
     assert ins[3].label == ".L_x_2" and ins[3].stack == (("/x/k.cuh", 14),)
     assert ins[6].pred == "@!PT"
-    blocks = km.basic_blocks(ins)
+    blocks = sass.basic_blocks(ins)
     # a CALL to a local label is a (here conditional) jump: sm_80 loops exit that way
     assert [len(b.instrs) for b in blocks] == [3, 2, 1, 2, 1, 2]
     assert blocks[0].succs == [4, 1] and blocks[1].succs == [1, 2] and blocks[2].div_succs == [5]
     assert blocks[3].succs == [4, 4]
-    live = km.reachable(blocks)
+    live = sass.reachable(blocks)
     assert live == {0, 1, 2, 3, 4}  # the BRA.DIV fallback is not reached by converged warps
-    loops = km.find_loops(blocks, live)
+    loops = sass.find_loops(blocks, live)
     assert [(lp.head, lp.tail) for lp in loops] == [(1, 1)]
-    assert km.op_class("LDS.128") == "LDS" and km.op_class("HMMA.16816.F32") == "MMA"
-    assert km.op_class("LDGSTS.E.BYPASS.128") == "LDGSTS" and km.op_class("IADD3") == "ALU"
-    assert km.smem_width("LDS.128") == 16 and km.smem_width("STS.U16") == 2 and km.smem_width("LDS") == 4
+    assert sass.op_class("LDS.128") == "LDS" and sass.op_class("HMMA.16816.F32") == "MMA"
+    assert sass.op_class("LDGSTS.E.BYPASS.128") == "LDGSTS" and sass.op_class("IADD3") == "ALU"
+    assert banks.smem_width("LDS.128") == 16 and banks.smem_width("STS.U16") == 2 and banks.smem_width("LDS") == 4
 
 
 def test_parse_ptxas():
@@ -196,20 +197,20 @@ def test_parse_ptxas():
             "for _Z3fooPf\n    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\nptxas info    : Used 40 "
             "registers, used 1 barriers, 2048 bytes smem\nptxas info    : Compiling entry function '_Z3barPf' for "
             "'sm_90'\nptxas info    : Used 20 registers\n")
-    assert km.parse_ptxas(text, "3foo") == km.Resources(40, 2048, 8, 4, 4)
-    assert km.parse_ptxas(text, "3bar") == km.Resources(20, 0, 0, 0, 0)
+    assert toolchain.parse_ptxas(text, "3foo") == plan.Resources(40, 2048, 8, 4, 4)
+    assert toolchain.parse_ptxas(text, "3bar") == plan.Resources(20, 0, 0, 0, 0)
 
 
 def test_a_kernel_absent_from_the_tree_is_skipped(tmp_path):
-    spec = km.from_root(km.KERNELS[0], tmp_path)  # no plugins/ there
-    assert not km.present(spec) and km.present(km.KERNELS[0])
+    elsewhere = analysis.from_root(kernels.KERNELS[0], tmp_path)  # no plugins/ there
+    assert not analysis.present(elsewhere) and analysis.present(kernels.KERNELS[0])
 
 
 def test_missing_tools_are_named(monkeypatch, capsys):
-    monkeypatch.setattr(km, "find_wheel_tool", lambda name: (_ for _ in ()).throw(
-        km.ToolMissing(f"{name} not found: pip install the test extra")))
-    monkeypatch.setattr(km, "find_nvcc", lambda: "/usr/bin/true")
-    assert km.main(["--out", "/nonexistent/x.json"]) == 2
+    monkeypatch.setattr(toolchain, "find_wheel_tool", lambda name: (_ for _ in ()).throw(
+        toolchain.ToolMissing(f"{name} not found: pip install the test extra")))
+    monkeypatch.setattr(toolchain, "find_nvcc", lambda: "/usr/bin/true")
+    assert cli.main(["--out", "/nonexistent/x.json"]) == 2
     assert "nvdisasm not found" in capsys.readouterr().err
 
 
@@ -239,12 +240,13 @@ __global__ void tinyKernel(float const* __restrict__ x, float* y, int tiles)
 
 def _tiny_spec(tmp_path: Path, pragma: str):
     (tmp_path / "tiny.cuh").write_text(TINY.replace("PRAGMA", pragma))
-    return km.KernelSpec(
+    return spec.KernelSpec(
         "tiny", "10tinyKernel", ("tiny.cuh",), "", 128,
-        (km.LoopSpec("tile", lambda c: 1, "BRA"), km.LoopSpec("fill", lambda c: 4, "STS")), (), (),
-        (km.SmemAccess("tiny.cuh", "acc += s[(threadIdx.x * 32) % 512];", "LDS",
-                       km._lanes(lambda lane: (lane * 32) % 512 * 4), "stride 32 words"),
-         km.SmemAccess("tiny.cuh", "s[u] = x[t * 512 + u];", "STS", km._lanes(lambda lane: lane * 4), "consecutive")),
+        (spec.LoopSpec("tile", lambda c: 1, "BRA"), spec.LoopSpec("fill", lambda c: 4, "STS")), (), (),
+        (spec.SmemAccess("tiny.cuh", "acc += s[(threadIdx.x * 32) % 512];", "LDS",
+                       spec.lanes(lambda lane: (lane * 32) % 512 * 4), "stride 32 words"),
+         spec.SmemAccess("tiny.cuh", "s[u] = x[t * 512 + u];", "STS", spec.lanes(lambda lane: lane * 4),
+                         "consecutive")),
         lambda s: 2048, lambda s: 512, 1, include_dirs=(tmp_path,))
 
 
@@ -256,8 +258,8 @@ def test_walker_counts_a_tiny_kernel(tmp_path, pragma):
     -> 16 wavefronts each. nvcc's unrolled versions (a runtime remainder for an N it cannot see) are either counted
     exactly or refused with a message naming the loop -- never miscounted."""
     _tools_or_skip()
-    results, _ = km.analyze([_tiny_spec(tmp_path, pragma)], ["sm_90"], jobs=1, work=tmp_path)
-    ctx = km.Ctx(km.MODELS["llama-3-8b"], True)
+    results, _ = analysis.analyze([_tiny_spec(tmp_path, pragma)], ["sm_90"], jobs=1, work=tmp_path)
+    ctx = spec.Ctx(shapes.MODELS["llama-3-8b"], True)
     try:
         tile, _rest = results[("tiny", "sm_90")].counts(ctx)
     except ValueError as exc:
@@ -278,17 +280,17 @@ def test_walker_counts_a_tiny_kernel(tmp_path, pragma):
 @pytest.fixture(scope="module")
 def sm90_results():
     _tools_or_skip()
-    return km.analyze(archs=["sm_90"])
+    return analysis.analyze(archs=["sm_90"])
 
 
 def _h200_records(results, versions):
-    return km.build_records(results, versions, gpus=["H200"])
+    return predict.build_records(results, versions, gpus=["H200"])
 
 
 @pytest.mark.slow
-def test_calibration_against_issue_12(sm90_results):
+def test_calibration_against_the_hand_count(sm90_results):
     records = _h200_records(*sm90_results)
-    cal = km.calibration(records)
+    cal = predict.calibration(records)
     assert {c["kernel"] for c in cal} == {"simt", "wmma"}
     for c in cal:
         for row in c["rows"]:
@@ -299,7 +301,7 @@ def test_calibration_against_issue_12(sm90_results):
 def test_records_have_the_contract_fields(sm90_results):
     records = _h200_records(*sm90_results)
     kernels = {name for name, _ in sm90_results[0]}
-    assert kernels == {s.name for s in km.KERNELS if km.present(s)}
+    assert kernels == {s.name for s in kernels.KERNELS if analysis.present(s)}
     assert len(records) == len(kernels) * 2 * 3 * 3
     for r in records:
         assert {"gpu", "model", "batch", "context", "kernel", "default", "predicted_us", "fp16_us",
@@ -309,7 +311,7 @@ def test_records_have_the_contract_fields(sm90_results):
         assert r["zero_spills"] is (r["resources"]["spill_stores"] == 0 and r["resources"]["spill_loads"] == 0)
         assert r["resources"]["cuobjdump"]["REG"] == r["resources"]["registers"]
         assert not r["per_tile"]["unmapped_smem"], r["per_tile"]["unmapped_smem"]
-        if r["gpu"] == "H200":  # issue 12: <= 880 issue slots and ~220 wavefronts per 3,072-byte tile
+        if r["gpu"] == "H200":  # the budget: <= 880 issue slots and ~220 wavefronts per 3,072-byte tile
             assert round(r["budget_per_tile_at_85pct_copy_bw"]["warp_instructions"], -1) == 880
             assert round(r["budget_per_tile_at_85pct_copy_bw"]["wavefronts"], -1) == 220
     assert sum(r["default"] for r in records if r["model"] == "llama-3-8b" and r["batch"] == 8
@@ -321,21 +323,21 @@ def test_gate_follows_the_default_records_bound(sm90_results):
     records = _h200_records(*sm90_results)
     default = next(r for r in records if r["default"] and r["model"] == "llama-3-8b" and r["batch"] == 8
                    and r["context"] == 32768)
-    why = km.gate_default_memory_bound(records)
+    why = report.gate_default_memory_bound(records)
     assert (why is None) == (default["bound"] == "memory")
     if why:
         assert default["kernel"] in why and default["bound"] in why
     fake = [dict(default, bound="memory")]
-    assert km.gate_default_memory_bound(fake) is None
-    assert "issue-bound" in km.gate_default_memory_bound([dict(default, bound="issue")])
-    assert "found 0" in km.gate_default_memory_bound([dict(default, default=False)])
+    assert report.gate_default_memory_bound(fake) is None
+    assert "issue-bound" in report.gate_default_memory_bound([dict(default, bound="issue")])
+    assert "found 0" in report.gate_default_memory_bound([dict(default, default=False)])
 
 
 @pytest.mark.slow
 def test_two_runs_are_equal(sm90_results):
     """A second compile + disassembly + walk of the default kernel gives byte-identical records."""
-    again = km.analyze(specs=[km.KERNELS[0]], archs=["sm_90"])
-    first = {k: v for k, v in sm90_results[0].items() if k[0] == km.KERNELS[0].name}
+    again = analysis.analyze(specs=[kernels.KERNELS[0]], archs=["sm_90"])
+    first = {k: v for k, v in sm90_results[0].items() if k[0] == kernels.KERNELS[0].name}
     a = json.dumps(_h200_records(first, sm90_results[1]), sort_keys=True)
     b = json.dumps(_h200_records(*again), sort_keys=True)
     assert a == b
@@ -348,20 +350,20 @@ def test_two_runs_are_equal(sm90_results):
 def test_append_model_records_and_gate():
     """kiviAppendKernel (the quantize-and-store path of a prefill chunk): one record per (GPU, model, batch, chunk),
     every executed shared-memory access mapped, no spills, no untagged loop on the path, and the gate follows the
-    records' fraction of copy bandwidth (issue 12: >= 80% for chunks of >= 4K tokens)."""
+    records' fraction of copy bandwidth (the target: >= 80% for chunks of >= 4K tokens)."""
     _tools_or_skip()
-    results, versions = km.analyze(km.APPEND_KERNELS, ["sm_90"], jobs=1)
-    records = km.append_records(results, versions)
+    results, versions = analysis.analyze(append.APPEND_KERNELS, ["sm_90"], jobs=1)
+    records = append.append_records(results, versions)
     h200 = [r for r in records if r["gpu"] == "H200"]
-    assert len(h200) == len(km.MODELS) * len(km.APPEND_BATCHES) * len(km.APPEND_CHUNKS)
+    assert len(h200) == len(shapes.MODELS) * len(append.APPEND_BATCHES) * len(append.APPEND_CHUNKS)
     for r in h200:
         assert r["label"] == "static model, not a measurement" and r["bound"] in ("issue", "shared", "memory")
-        assert r["zero_spills"] and r["per_group"]["bytes"] == km.append_group_bytes(km.MODELS[r["model"]])
+        assert r["zero_spills"] and r["per_group"]["bytes"] == append.append_group_bytes(shapes.MODELS[r["model"]])
         assert not r["per_group"]["unmapped_smem"], r["per_group"]["unmapped_smem"]
         assert not r["per_cta_outside_group_loop"]["untagged_loops_counted_once"]
         assert 0 < r["fraction_of_copy_bw"] <= 1.0 and r["predicted_us"] >= r["copy_bw_us"]
     worst = min((r for r in h200 if r["chunk"] >= 4096), key=lambda r: r["fraction_of_copy_bw"])
-    why = km.gate_append(h200)
-    assert (why is None) == (worst["fraction_of_copy_bw"] >= km.APPEND_MIN_FRACTION)
-    assert "of copy bandwidth" in km.gate_append([dict(worst, fraction_of_copy_bw=0.5)])
-    assert km.gate_append([dict(worst, fraction_of_copy_bw=0.9)]) is None
+    why = report.gate_append(h200)
+    assert (why is None) == (worst["fraction_of_copy_bw"] >= append.APPEND_MIN_FRACTION)
+    assert "of copy bandwidth" in report.gate_append([dict(worst, fraction_of_copy_bw=0.5)])
+    assert report.gate_append([dict(worst, fraction_of_copy_bw=0.9)]) is None

@@ -11,7 +11,6 @@ parsed for HMMA/HGMMA operand modifiers. Skipped with a reason when the library 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -23,11 +22,9 @@ import pytest
 from trtllm_kivi.cuda import find_library
 
 ROOT = Path(__file__).resolve().parents[1]
-if "kernel_model" not in sys.modules:  # the static model's tool finder (benchmarks/kernel_model.py), as test_kernel_model
-    _spec = importlib.util.spec_from_file_location("kernel_model", ROOT / "benchmarks" / "kernel_model.py")
-    sys.modules["kernel_model"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["kernel_model"])
-km = sys.modules["kernel_model"]
+if str(ROOT) not in sys.path:  # the static model's tool finder (tools/kernel_model), as test_kernel_model
+    sys.path.insert(0, str(ROOT))
+from tools.kernel_model import toolchain  # noqa: E402
 
 _MMA = re.compile(r"\b(H|Q|I)?[HG]?MMA\.[\w.]+\s+([^;]*);")
 
@@ -56,8 +53,8 @@ def test_library_mma_operands_are_not_negated():
     if lib is None:
         pytest.skip("KIVI kernel library not built (build_scripts/build_plugin.sh)")
     try:
-        cuobjdump, nvdisasm = km.find_wheel_tool("cuobjdump"), km.find_wheel_tool("nvdisasm")
-    except km.ToolMissing as e:
+        cuobjdump, nvdisasm = toolchain.find_wheel_tool("cuobjdump"), toolchain.find_wheel_tool("nvdisasm")
+    except toolchain.ToolMissing as e:
         pytest.skip(str(e))
     env = {**os.environ, "PATH": f"{Path(nvdisasm).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     res = subprocess.run([str(cuobjdump), "-sass", str(lib)], capture_output=True, text=True, env=env)
