@@ -41,7 +41,8 @@ BRANCHES = ("BRA", "EXIT", "RET", "BSYNC", "BREAK", "CALL", "JMP", "WARPSYNC", "
 
 
 def find_ncu() -> str | None:
-    for cand in (shutil.which("ncu"), "/usr/local/cuda/bin/ncu", *sorted(Path("/opt/nvidia").glob("nsight-compute/*/ncu"))):
+    installed = sorted(Path("/opt/nvidia").glob("nsight-compute/*/ncu"))
+    for cand in (shutil.which("ncu"), "/usr/local/cuda/bin/ncu", *installed):
         if cand and Path(cand).exists():
             return str(cand)
     return None

@@ -3,14 +3,14 @@
 
     python3 benchmarks/plan_winners.py SWEEP.json [--metric step_amortized|attention_flush] [--out winners.json]
 
-Shape classes (KiviShapeClass in kiviDecodeVariants.h): a pure-decode shape whose query tiles x KV heads fill fewer
-CTAs than the GPU has SMs is few_ctas (latency-bound, e.g. batch 1), otherwise many_ctas (bandwidth-bound); steps
-with chunks longer than one token are mixed (the decode sweep has none: "not measured"). Per class, each variant's
-time at a shape is divided by the best variant's there; the winner has the smallest geometric mean of that ratio over
-the class's shapes (only variants measured at every shape compete; "auto" is the plan itself and never competes).
-The metric is the amortized decode step ((flush + (G - 1) non-flush) / G: attention, append and every launch) unless
---metric attention_flush. Prints a table and the plan rows to paste; --out writes them as JSON. A measurement, so
-the rows name the GPU and the file they come from.
+Shape classes (KiviShapeClass in kiviDecodeVariants.h): a pure-decode shape whose batch x query tiles x KV heads
+are fewer CTAs than the GPU has SMs is few_ctas (latency-bound, e.g. batch 1), otherwise many_ctas
+(bandwidth-bound); steps with chunks longer than one token are mixed (the decode sweep has none: "not measured").
+Per class, each variant's time at a shape is divided by the best variant's there; the winner has the smallest
+geometric mean of that ratio over the class's shapes (only variants measured at every shape compete; "auto" is
+the plan itself and never competes). The metric is the amortized decode step ((flush + (G - 1) non-flush) / G:
+attention, append and every launch) unless --metric attention_flush. Prints a table and the plan rows to paste;
+--out writes them as JSON. A measurement, so the rows name the GPU and the file they come from.
 """
 
 from __future__ import annotations
@@ -23,17 +23,14 @@ from pathlib import Path
 
 CLASSES = ("few_ctas", "many_ctas", "mixed")
 CLASS_ENUM = {"few_ctas": "kKIVI_SHAPE_FEW_CTAS", "many_ctas": "kKIVI_SHAPE_MANY_CTAS", "mixed": "kKIVI_SHAPE_MIXED"}
-TILE_ROWS = 8  # query rows per decode CTA (the MMA's N), when a row's plan does not say
+TILE_ROWS = 8  # kTILE_ROWS: query rows per decode CTA (the MMA's N)
 
 
 def shape_class(row: dict, sms: int) -> str:
-    """few_ctas / many_ctas of a pure-decode row: its query tiles x KV heads against the SM count."""
-    plan = row.get("plan") or {}
-    tiles = plan.get("num_tiles")
-    if not tiles:
-        group = row["heads"] // row["kv_heads"]
-        tiles = row["batch"] * math.ceil(group / plan.get("tile_rows", TILE_ROWS))
-    return "few_ctas" if tiles * row["kv_heads"] < sms else "many_ctas"
+    """few_ctas / many_ctas of a pure-decode row: batch x ceil(group heads / TILE_ROWS) x KV heads CTAs against the
+    SM count, as shapeClass in plugins/kernels/src/kiviParams.cpp (and cuda/variants.shape_class) decide."""
+    ctas = row["batch"] * math.ceil(row["heads"] // row["kv_heads"] / TILE_ROWS) * row["kv_heads"]
+    return "few_ctas" if ctas < sms else "many_ctas"
 
 
 def metric_ms(entry: dict, metric: str) -> float | None:

@@ -42,7 +42,9 @@ while [[ $# -gt 0 ]]; do
   esac
   shift
 done
-[[ "${DRY_GPU}" == h100 || "${DRY_GPU}" == h200 ]] || { echo "gpu_check.sh: --gpu ${DRY_GPU}: h100 or h200" >&2; exit 2; }
+if [[ "${DRY_GPU}" != h100 && "${DRY_GPU}" != h200 ]]; then
+  echo "gpu_check.sh: --gpu ${DRY_GPU}: h100 or h200" >&2; exit 2
+fi
 cd "${ROOT}"
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 T0=$(date +%s)
@@ -52,7 +54,8 @@ gpu_lib_find || exit 2
 if [[ "${DRY_RUN}" == 1 ]]; then
   echo "gpu_check.sh --dry-run: arch sm_${ARCH}, output ${OUT#"${ROOT}"/}"
   echo "  library: ${LIB_SOURCE}"
-  echo "  0. build: $([[ -n "${LIB}" ]] && echo "skipped (prebuilt)" || echo "build_plugin.sh --arch ${ARCH}, <= ${BUILD_MAX} s")"
+  if [[ -n "${LIB}" ]]; then echo "  0. build: skipped (prebuilt)"
+  else echo "  0. build: build_plugin.sh --arch ${ARCH}, <= ${BUILD_MAX} s"; fi
   echo "  1. tests: ${PY} -m pytest -m gpu ${GPU_TESTS[*]} (<= ${TESTS_MAX} s)"
   echo "  2. bench: benchmarks/bench_kernels.py --headline ${QUICK} (the time left minus 70 s, >= 40 s)"
   echo "  3. sanitizer: memcheck + racecheck when >= ${SAN_MIN} s are left; 4. gpu_check.json; total <= ${TOTAL} s"
@@ -95,7 +98,8 @@ LEFT=$(( TOTAL + 10 - (T3 - T0) ))
 if [[ ${build_rc} -eq 0 && -n "${SAN}" && ${LEFT} -ge ${SAN_MIN} ]]; then
   san_rc=0
   for tool in memcheck racecheck; do
-    if [[ ${tool} == memcheck ]]; then SEL="batch_sweep and 128-4-dtype0-3- or sink_tokens and 4-2-2 or rows_no_sequence"
+    if [[ ${tool} == memcheck ]]
+    then SEL="batch_sweep and 128-4-dtype0-3- or sink_tokens and 4-2-2 or rows_no_sequence"
     else SEL="batch_sweep and 128-4-dtype0-3- or unhinted and 1-dtype0 or decode_loop and 2-2-32-32"; fi
     echo "== ${tool}: -k '${SEL}'" >>"${OUT}/sanitizer.log"
     timeout $(( LEFT / 2 )) "${SAN}" --tool "${tool}" --error-exitcode 97 ${PY} -m pytest -p no:cacheprovider -q \

@@ -35,7 +35,9 @@ gpu_lib_find() {  # LIB = the library to use ("" when it must be built); LIB_SOU
   fi
   for cand in "${LIBRARY:-}" "${TRTLLM_KIVI_KERNELS_LIB:-}" "${ROOT}/build/gpu-lib/libtrtllm_kivi_kernels.so" \
               "${ROOT}/build/plugins/libtrtllm_kivi_kernels.so"; do
-    if [[ -n "${cand}" && -f "${cand}" ]]; then LIB="$(cd "$(dirname "${cand}")" && pwd)/$(basename "${cand}")"; break; fi
+    if [[ -n "${cand}" && -f "${cand}" ]]; then
+      LIB="$(cd "$(dirname "${cand}")" && pwd)/$(basename "${cand}")"; break
+    fi
   done
   if [[ "${BUILD:-0}" == 1 ]]; then LIB_SOURCE="--build: built here for sm_${ARCH}"; LIB=""
   elif [[ -z "${LIB}" ]]; then LIB_SOURCE="none found: built here for sm_${ARCH}"

@@ -44,7 +44,9 @@ while [[ $# -gt 0 ]]; do
   esac
   shift
 done
-[[ "${DRY_GPU}" == h100 || "${DRY_GPU}" == h200 ]] || { echo "gpu_tune.sh: --gpu ${DRY_GPU}: h100 or h200" >&2; exit 2; }
+if [[ "${DRY_GPU}" != h100 && "${DRY_GPU}" != h200 ]]; then
+  echo "gpu_tune.sh: --gpu ${DRY_GPU}: h100 or h200" >&2; exit 2
+fi
 cd "${ROOT}"
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}" PYTHONUNBUFFERED=1
 T0=$(date +%s)
@@ -54,7 +56,8 @@ gpu_lib_find || exit 2
 if [[ "${DRY_RUN}" == 1 ]]; then
   echo "gpu_tune.sh --dry-run: arch sm_${ARCH}, output ${OUT#"${ROOT}"/}"
   echo "  library: ${LIB_SOURCE}"
-  echo "  budgets: sweep ${B_SWEEP} s, prefill ${B_PREFILL} s, e2e ${B_E2E} s, ncu the rest (>= ${NCU_MIN} s); total <= ${TOTAL} s"
+  echo "  budgets: sweep ${B_SWEEP} s, prefill ${B_PREFILL} s, e2e ${B_E2E} s, ncu the rest (>= ${NCU_MIN} s);" \
+       "total <= ${TOTAL} s"
   exec ${PY} benchmarks/gpu_plan.py tune --gpu "${DRY_GPU}" ${LIB:+--library "${LIB}"} --sweep-budget "${B_SWEEP}" \
     --prefill-budget "${B_PREFILL}" --e2e-budget "${B_E2E}" --ncu-budget $(( TOTAL - B_SWEEP - B_PREFILL - B_E2E - 25 ))
 fi
@@ -77,7 +80,8 @@ run_part() {  # run_part NAME BUDGET_S CMD...: runs CMD with a hard timeout of B
 }
 left() { echo $(( TOTAL - ($(date +%s) - T0) )); }
 
-run_part sweep "${B_SWEEP}" ${PY} benchmarks/bench_kernels.py --time-budget "${B_SWEEP}" --out "${OUT}/bench_kernels.json"
+run_part sweep "${B_SWEEP}" ${PY} benchmarks/bench_kernels.py --time-budget "${B_SWEEP}" \
+  --out "${OUT}/bench_kernels.json"
 run_part winners 10 ${PY} benchmarks/plan_winners.py "${OUT}/bench_kernels.json" --out "${OUT}/plan_winners.json"
 L=$(left); BP=$(( L - B_E2E - NCU_MIN - 20 < B_PREFILL ? L - B_E2E - NCU_MIN - 20 : B_PREFILL ))
 if [[ ${BP} -ge 10 ]]; then

@@ -70,8 +70,9 @@ def test_variant_matches_the_reference_across_flushes(variant, dtype):
         want = kivi_attention_(q, k, v, slots, past, chunk, table, ref, cfg)
         out = torch.full((t, h, d), float("nan"), dtype=dtype, device="cuda")
         flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        ends = [a + b for a, b in zip(lens, chunks, strict=True)]
         p = make_params(q.cuda(), k.cuda(), v.cuda(), out, slots.cuda(), past.cuda(), chunk.cuda(), table.cuda(),
-                        gpu, cfg, max_chunk_len=max(chunks), max_seq_len=max(a + b for a, b in zip(lens, chunks, strict=True)),
+                        gpu, cfg, max_chunk_len=max(chunks), max_seq_len=max(ends),
                         num_sms=torch.cuda.get_device_properties(0).multi_processor_count, error_flag=flag)
         if variant:
             p.decodeVariant = variant
@@ -88,4 +89,4 @@ def test_variant_matches_the_reference_across_flushes(variant, dtype):
         for name, a, b in zip(KiviBuffers._fields, gpu, ref, strict=True):
             assert torch.equal(a.cpu().view(torch.int16 if a.element_size() == 2 else torch.int32),
                                b.view(torch.int16 if b.element_size() == 2 else torch.int32)), f"{name}: {what}"
-        lens = [a + b for a, b in zip(lens, chunks, strict=True)]
+        lens = ends
