@@ -226,7 +226,7 @@ def decode_run(model, kind: str, batch: int, context: int, steps: int, fp16_meth
     return row
 
 
-def fits(model, kind: str, batch: int, context: int) -> bool:
+def fits(model, kind: str, batch: int, context: int, fp16_method: str) -> bool:
     """Whether a cache of `batch` sequences at `context` allocates and runs one decode step (eager)."""
     import torch
 
@@ -236,7 +236,7 @@ def fits(model, kind: str, batch: int, context: int) -> bool:
     try:
         runner = make_runner(model, kind, batch, context + 8, fill=False)
         slots = advance(runner, batch, context)
-        GraphDecoder(runner, fp16_method="sdpa_masked", capture=False).step(slots, [1] * batch)
+        GraphDecoder(runner, fp16_method=fp16_method, capture=False).step(slots, [1] * batch)
         torch.cuda.synchronize()
     except torch.cuda.OutOfMemoryError:
         ok = False
@@ -246,7 +246,7 @@ def fits(model, kind: str, batch: int, context: int) -> bool:
     return ok
 
 
-def max_batch(model, kind: str, context: int, budget) -> dict:
+def max_batch(model, kind: str, context: int, fp16_method: str, budget) -> dict:
     """The largest batch that fits (bisection over allocations); the calculator's estimate only brackets it."""
     import torch
 
@@ -258,7 +258,7 @@ def max_batch(model, kind: str, context: int, budget) -> dict:
     tries: list[tuple[int, bool]] = []
     lo, hi, b = 0, None, guess
     while budget.allows(5.0):
-        ok = fits(model, kind, b, context)
+        ok = fits(model, kind, b, context, fp16_method)
         tries.append((b, ok))
         if ok:
             lo = b
@@ -340,17 +340,16 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 try:
                     rows.append(decode_run(model, kind, batch, ctx, args.steps, method))
+                    print(f"{kind} b={batch} ctx={ctx}: {rows[-1]['tokens_per_s']:.0f} tok/s", flush=True)
                 except torch.cuda.OutOfMemoryError as e:
                     skipped.append({"kind": kind, "batch": batch, "context": ctx, "reason": f"OOM: {e}"[:200]})
-                    pygc.collect()
-                    torch.cuda.empty_cache()
-                print(f"{kind} b={batch} ctx={ctx}: {rows[-1]['tokens_per_s']:.0f} tok/s" if rows and
-                      rows[-1]["batch"] == batch and rows[-1]["context"] == ctx and rows[-1]["kind"] == kind
-                      else f"{kind} b={batch} ctx={ctx}: skipped", flush=True)
+                    print(f"{kind} b={batch} ctx={ctx}: out of memory", flush=True)
+                pygc.collect()
+                torch.cuda.empty_cache()
     mb = {}
     for kind in ("kivi2", "fp16"):
         if budget.allows(10.0):
-            mb[kind] = max_batch(model, kind, MAX_BATCH_CONTEXT, budget)
+            mb[kind] = max_batch(model, kind, MAX_BATCH_CONTEXT, method, budget)
     report["decode"], report["skipped"], report["max_batch"] = rows, skipped, mb
     report["targets"] = targets(rows, mb)
     report["elapsed_s"] = budget.spent()
