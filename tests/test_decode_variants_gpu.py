@@ -28,8 +28,13 @@ pytestmark = pytest.mark.gpu
 
 
 def _variants() -> list:
+    """The library's variants at collection (the default alone without the API; a library that does not load fails
+    in the test, by load_library's message, not at collection)."""
     path = find_library()
-    found = gpu_plan.variants_from_library(path) if path is not None else None
+    try:
+        found = gpu_plan.variants_from_library(path) if path is not None else None
+    except OSError:
+        found = None
     return [pytest.param(v["id"], id=f"{v['id']}-{v['name']}") for v in (found or [{"id": 0, "name": "default"}])]
 
 
