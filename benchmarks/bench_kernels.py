@@ -260,6 +260,16 @@ def main(argv: list[str] | None = None) -> int:
         runs = gpu_plan.decode_plan(variants, gpu, cfg, headline_only=args.headline, l2=args.l2)
         print(f"decode variants ({source}): {[v['name'] for v in variants]}")
         print(gpu_plan.describe(runs, args.time_budget, "bench_kernels"))
+        library = args.library or find_library()
+        if library is not None and source == "library":
+            checks = gpu_plan.param_checks(library, variants, cfg, headline_only=args.headline)
+            refused = [c for c in checks if "refused" in c]
+            print(f"== host checks of the library ({len(checks)} variant x shape x past): {len(refused)} refused")
+            for c in checks:
+                what = c.get("refused") or ", ".join(f"{k}={v}" for k, v in c.items()
+                                                     if k not in ("variant", "model", "batch", "context", "past"))
+                print(f"   {c['variant']:14s} {c['model']} b{c['batch']} {c['context']} past {c['past']}: {what}")
+            return 1 if refused else 0
         return 0
     return run(args, cfg)
 

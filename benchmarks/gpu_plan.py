@@ -143,6 +143,48 @@ def load_variants(library: str | Path | None = None, fake_json: str | Path | Non
     return [{"id": 0, "name": "default", "tunables": {}}], "no variant API in the library: the default only"
 
 
+def param_checks(library: str | Path, variants: list[dict], cfg: KiviConfig | None = None, headline_only: bool = True,
+                 sms: int = 132) -> list[dict]:
+    """The library's host checks of every variant's decode step at the planned shapes, without a GPU or torch:
+    KiviStepParams filled as the benchmark fills them (fake, aligned device pointers: validation reads none),
+    then kiviCValidate (a refusal names the variant and the value) and the launch plan. One row per (variant, shape,
+    flush / non-flush past)."""
+    from trtllm_kivi.cuda import _abi
+    from trtllm_kivi.format import dtype_code
+
+    cfg = cfg or KiviConfig()
+    lib = _abi.KiviLibrary(library)  # checks sizeof(KiviStepParams) against the mirror
+    shapes = list(HEADLINE) + ([] if headline_only else [(m, b, c) for m in MODELS for b in BATCHES for c in CONTEXTS
+                                                          if (m, b, c) not in HEADLINE])
+    rows = []
+    for model, batch, ctx in shapes:
+        h, hkv, d = MODELS[model]
+        mbs = cfg.max_blocks_per_seq(ctx)
+        for past in (flush_past(cfg, ctx), nonflush_past(cfg, ctx)):
+            for v in variants:
+                p = _abi.KiviStepParams()
+                p.numHeads, p.numKvHeads, p.headDim, p.kBits, p.vBits = h, hkv, d, cfg.k_bits, cfg.v_bits
+                p.groupSize, p.residualLength, p.blockSize = cfg.group_size, cfg.residual_length, cfg.block_size
+                p.scaleDtype, p.keyGrouping, p.actDtype = dtype_code(cfg.scale_dtype), 0, dtype_code("float16")
+                p.batch, p.numTokens, p.maxChunkLen, p.maxSeqLen = batch, batch, 1, past + 1
+                p.numBlocks, p.numSlots, p.maxBlocksPerSeq, p.numSms = batch * mbs, batch, mbs, sms
+                for i, name in enumerate(_abi._PTR_FIELDS):
+                    setattr(p, name, (i + 1) << 20)  # distinct, 1 MiB-aligned, never dereferenced on the host
+                if hasattr(p, "decodeVariant"):
+                    p.decodeVariant = v["id"]
+                p.workspaceSize = lib.workspace_size(p)
+                refused = lib.validate(p, _abi.PHASE_STEP)
+                row = {"variant": v["name"], "model": model, "batch": batch, "context": ctx, "past": past}
+                if refused:
+                    row["refused"] = refused
+                else:
+                    plan = lib.launch_plan(p)
+                    row |= {k: plan[k] for k in ("num_splits", "split_len", "decode_variant", "decode_mode")
+                            if k in plan}
+                rows.append(row)
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------- run lists
 
 
@@ -313,6 +355,13 @@ def plan_text(script: str, gpu_name: str = "h100", library: str | Path | None = 
     out = [f"assumed GPU {gpu_name}: L2 {gpu['l2_bytes'] >> 20} MiB, memory {gpu['memory_bytes'] >> 30} GiB, "
            f"read ~{gpu['read_gbps']:.0f} GB/s (planning model only)",
            f"decode variants ({source}): " + ", ".join(f"{v['id']}={v['name']}" for v in variants)]
+    if source == "library" and library is not None:
+        checks = param_checks(library, variants, headline_only=script == "check", sms=gpu["sms"])
+        refused = [c for c in checks if "refused" in c]
+        out.append(f"== host checks of the library: {len(checks)} (variant, shape, past) decode steps, "
+                   f"{len(refused)} refused")
+        out += [f"   REFUSED {c['variant']} {c['model']} b{c['batch']} {c['context']} past {c['past']}: "
+                f"{c['refused']}" for c in refused]
     if script == "check":
         out.append(describe(decode_plan(variants, gpu, headline_only=True), sweep_budget,
                             "bench_kernels --headline (every variant at the headline shapes)"))

@@ -51,7 +51,7 @@ def test_gpu_check_dry_run_plans_tests_and_the_headline_sweep():
 def test_gpu_tune_dry_run_plans_every_part_within_its_budget():
     res = run_script("build_scripts/gpu_tune.sh", "--dry-run")
     assert res.returncode == 0, res.stderr
-    heads = [line for line in res.stdout.splitlines() if line.startswith("== ")]
+    heads = [line for line in res.stdout.splitlines() if line.startswith("== ") and "runs planned" in line]
     assert [h.split()[1] for h in heads] == ["bench_kernels", "bench_prefill", "bench_e2e_gpu", "ncu_profile"]
     budgets = res.stdout.split("budgets: ")[1].split("\n")[0]
     assert "sweep 100 s" in budgets and "total <= 290 s" in budgets
@@ -150,6 +150,26 @@ def test_every_variant_at_every_shape_fits_the_sweep_budget():
     timed = {(r.name, tuple(r.shape.values())) for r in kept if ":" in r.name}
     assert len(timed) == len(FAKE_VARIANTS) * 4 * 18  # 4 timings per variant and shape
     assert all(r.skip for r in cut), [r.name for r in cut if not r.skip]  # only memory skips, nothing over budget
+
+
+def test_the_library_accepts_every_variant_at_every_planned_shape():
+    """The built library's host checks (kiviCValidate, the launch plan) of every variant's decode step at every shape
+    the sweep times, flush and non-flush: none refused, an explicit variant runs as itself, auto resolves to one."""
+    from trtllm_kivi.cuda import _abi
+
+    path = _abi.find_library()
+    if path is None:
+        pytest.skip(f"kernel library not built (tried {', '.join(map(str, _abi.library_candidates()))})")
+    variants, source = gpu_plan.load_variants(path)
+    if source != "library":
+        pytest.skip(f"{path}: {source}")
+    checks = gpu_plan.param_checks(path, variants, headline_only=False)
+    assert len(checks) == len(variants) * 18 * 2
+    assert [c for c in checks if "refused" in c] == []
+    ids = {v["name"]: v["id"] for v in variants}
+    for c in checks:
+        if "decode_variant" in c:
+            assert c["decode_variant"] == ids[c["variant"]] or (ids[c["variant"]] == 0 and c["decode_variant"] > 0), c
 
 
 def _row(model, batch, ctx, times):
