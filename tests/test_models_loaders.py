@@ -346,3 +346,64 @@ def test_hf_folder_tokenizer_bos(tmp_path, post_processor, add_bos):
     assert tok.encode("hi") == hf("hi")["input_ids"] == ([256] if post_processor else []) + [BYTES.index("h"),
                                                                                             BYTES.index("i")]
     assert (tok.bos_id, tok.eos_ids) == (256, (257,))
+
+
+def _kquant_blocks(rows: int, cols: int, kind: str, seed: int):
+    """Random but well-formed Q4_K / Q6_K blocks [rows, cols / 256 * bytes]: random codes and sub-scales, the
+    fp16 super-block scale(s) set to small finite values (random bits there could be inf/NaN)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    size = {"Q4_K": 144, "Q6_K": 210}[kind]
+    b = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    if kind == "Q4_K":  # d, dmin: the first two fp16 of the block
+        b[..., 0:4] = np.array([0.01, 0.004], dtype=np.float16).view(np.uint8)
+    else:  # d: the last fp16 of the block
+        b[..., 208:210] = np.array([0.002], dtype=np.float16).view(np.uint8)
+    return b.reshape(rows, -1)
+
+
+def test_qwen2_gguf_with_k_quants_and_an_untied_output(tmp_path):
+    """The real model's file types (Q4_K_M: Q4_K matrices, Q6_K for the output and some ffn_down, F32 norms and
+    q/k/v biases, an output matrix of its own): every tensor reaches the right place, dequantized as gguf does."""
+    import gguf
+
+    from trtllm_kivi.models.tiny import TINY_QWEN2_CONFIG, tiny_config, tiny_state_dict, write_gguf
+
+    conf = tiny_config(TINY_QWEN2_CONFIG, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=64, intermediate_size=512, tie_word_embeddings=False)
+    sd = tiny_state_dict(conf)
+    raw = {"token_embd.weight": (_kquant_blocks(256, 256, "Q4_K", 0), "Q4_K"),
+           "output.weight": (_kquant_blocks(256, 256, "Q6_K", 1), "Q6_K"),
+           "blk.1.attn_q.weight": (_kquant_blocks(256, 256, "Q4_K", 2), "Q4_K"),
+           "blk.0.ffn_down.weight": (_kquant_blocks(256, 512, "Q6_K", 3), "Q6_K")}
+    path = write_gguf(tmp_path / "k.gguf", conf, sd, "Q8_0", raw=raw)
+    model, _, cfg = load_model(path)
+    want = {n: torch.from_numpy(gguf.quants.dequantize(b, getattr(gguf.GGMLQuantizationType, k)).copy())
+            for n, (b, k) in raw.items()}
+    assert not cfg.tie_embeddings and cfg.qkv_bias and model.lm_head is not None
+    assert torch.equal(model.embed, want["token_embd.weight"])
+    assert torch.equal(model.lm_head, want["output.weight"])
+    assert not torch.equal(model.lm_head, model.embed)
+    assert torch.equal(model.layers[1].attn.wqkv[:256], want["blk.1.attn_q.weight"])  # q rows: not permuted
+    assert torch.equal(model.layers[0].mlp.w2, want["blk.0.ffn_down.weight"])
+    assert torch.equal(model.layers[0].attn.bqkv[256:384], sd["model.layers.0.self_attn.k_proj.bias"])
+
+
+def test_dequantized_sidecar_loads_the_same_weights_and_follows_the_file(tmp_path):
+    import os
+
+    from trtllm_kivi.models.loaders import _read_sidecar, dequantized_sidecar, write_dequantized
+    from trtllm_kivi.models.tiny import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "t.gguf")
+    direct = {d: load_model(path, d)[0] for d in ("bfloat16", "float32")}  # dequantized from the GGUF
+    written = write_dequantized(path, ["bfloat16", "float32"])
+    assert written == [dequantized_sidecar(path, "float32"), dequantized_sidecar(path, "bfloat16")]
+    for dtype, ref in direct.items():
+        side, _, cfg = load_model(path, dtype)
+        assert all(torch.equal(a, b) for a, b in zip(side.state_dict().values(), ref.state_dict().values(),
+                                                      strict=True))
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the GGUF changed: the sidecar is ignored
+    assert _read_sidecar(path, torch.float32) is None

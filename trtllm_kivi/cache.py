@@ -32,6 +32,7 @@ from .format import Geometry, KiviConfig
 from .reference.attention import (KiviBuffers, _blocks_of, _rows, append, attend, check_step, full_precision_rows,
                                   history, kivi_attention_)
 from .reference.kv import dequantize_keys, dequantize_values
+from .reference.quant import torch_dtype
 
 if TYPE_CHECKING:
     from .cpu.ops import FullCpuAttention, KiviCpuAttention
@@ -39,6 +40,28 @@ if TYPE_CHECKING:
 
 class CacheCapacityError(ValueError):
     """A step would need more tokens, blocks or slots than the cache was allocated for."""
+
+
+class KVRangeError(ValueError):
+    """K/V values the cache cannot store: non-finite, or beyond the range of its scale/zero (or fp16 storage) dtype."""
+
+
+def check_kv_range(layer: int, k: torch.Tensor, v: torch.Tensor, store_dtype: torch.dtype, what: str) -> None:
+    """Refuse K/V that would be stored as inf/NaN (KVRangeError naming the layer, the value and the fix) instead of
+    letting them poison attention silently. A KIVI group stores zero = min and scale = (max - min) / (2^b - 1):
+    with every |x| <= the dtype's max both stay finite for b >= 2, so one amax per layer and step is the check
+    (tests/test_kv_range.py)."""
+    if store_dtype == torch.float32 or k.numel() == 0:
+        return
+    limit = torch.finfo(store_dtype).max
+    mk, mv = (torch.linalg.vector_norm(x.detach(), float("inf")).item() for x in (k, v))  # max |x|; NaN stays NaN
+    for name, m in (("K", mk), ("V", mv)):
+        if not m <= limit:  # also catches NaN
+            fix = ("--scale-dtype bfloat16 or float32 (KIVI scales/zeros in a wider dtype)" if "scale" in what
+                   else "a bf16 or fp32 cache (--kv bf16 / fp32)")
+            raise KVRangeError(f"layer {layer}: |{name}| reaches {m:.4g}, beyond the range of the {what} "
+                               f"({str(store_dtype).replace('torch.', '')}, max {limit:.6g}); stored it would "
+                               f"become inf/NaN. Use {fix}")
 
 
 @dataclass
@@ -396,6 +419,7 @@ class KiviCache(KVCache):
         cfg.check_head_dim(geom.head_dim)
         cfg.check_num_layers(geom.num_layers)
         self.cfg = self.kivi_config = cfg
+        self._scale_dtype = torch_dtype(cfg.scale_dtype)
         self.backend: AttentionBackend = BACKENDS[resolve_backend(backend, cfg, self.device, dtype,
                                                                   geom.head_dim)](self)
         self.max_blocks_per_seq = cfg.max_blocks_per_seq(max_seq_len)
@@ -502,6 +526,7 @@ class KiviCache(KVCache):
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         """q [tokens, H, D], k/v [tokens, Hkv, D] -> out [tokens, H, D]; appends k/v to the layer's state."""
+        check_kv_range(layer, k, v, self._scale_dtype, "KIVI scale/zero dtype")
         return self.backend.attention(layer, q, k, v, step)
 
     @property
@@ -578,6 +603,7 @@ class FullCache(KVCache):
         return self._make_step(slots, chunk_lens, torch.zeros((len(slots), 0), dtype=torch.int32))
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        check_kv_range(layer, k, v, self.dtype, "cache dtype")
         if self._backend == "cpu":
             if self._op is None:
                 from .cpu.ops import FullCpuAttention

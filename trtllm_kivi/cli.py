@@ -18,6 +18,7 @@ COMMANDS = [
     "bench",
     "triton",
     "serve",
+    "models",
 ]
 
 

@@ -228,8 +228,9 @@ class LlamaModel(nn.Module):
 
     @classmethod
     def from_hf_state_dict(cls, cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                           device: str | torch.device = "cpu") -> LlamaModel:
-        """Build from Hugging Face-named weights (checked: every tensor present with its shape, none unknown)."""
+                           device: str | torch.device = "cpu", release: bool = False) -> LlamaModel:
+        """Build from Hugging Face-named weights (checked: every tensor present with its shape, none unknown).
+        release=True removes each tensor from `sd` once the model holds it (peak memory near one copy)."""
         expected = cls.hf_weight_shapes(cfg)
         missing = [n for n in expected if n not in sd]
         if missing:
@@ -245,7 +246,9 @@ class LlamaModel(nn.Module):
         model = cls(cfg)  # empty weights (never touched: no memory until replaced below)
 
         def put(param: nn.Parameter, *names: str) -> None:
-            param.data = torch.cat([sd[n] for n in names], dim=0).to(device=device, dtype=dtype)
+            parts = [sd.pop(n) if release else sd[n] for n in names]
+            whole = parts[0] if len(parts) == 1 and release else torch.cat(parts, dim=0)  # never alias sd's tensors
+            param.data = whole.to(device=device, dtype=dtype)
 
         put(model.embed, "model.embed_tokens.weight")
         put(model.norm.weight, "model.norm.weight")

