@@ -8,7 +8,7 @@ Each round prefills the same prompt in every implementation (not timed), then ti
 token) taking one step of each implementation in turn, so a load change on a shared machine hits all of them alike;
 tokens/s = 1 / median step time over all rounds, and the ratio vs HF is also given as the median of per-step
 ratios (steps taken at the same moment). KIVI-2 is timed twice: the runtime path (KiviCache: the reference op, which dequantizes the
-whole quantized store every step and layer) and MemoKiviCache (the evaluation's cache that keeps the dequantized
+whole quantized store every step and layer) and the `memo` backend (the evaluation's cache that keeps the dequantized
 history: bit-identical output). Before timing, the three implementations' greedy tokens are compared (FP16 and HF
 must agree; KIVI-2 may diverge, reported). Writes JSON to
 benchmarks/results/cpu_decode_smollm2_threads<N>_<machine>.json.
