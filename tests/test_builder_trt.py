@@ -21,6 +21,7 @@ import onnx
 import pytest
 
 from trtllm_kivi import cli
+from trtllm_kivi import trt as trt_mod
 from trtllm_kivi.builder.trt_build import DEFAULT_RTX_TARGETS, EngineUnavailable, engine_plan, file_sha256
 from trtllm_kivi.trt import (RTX_TARGETS, TensorRTUnavailable, compiled_archs, find_plugin, find_tensorrt,
                              uncovered_targets)
@@ -102,10 +103,10 @@ def test_rtx_targets_are_the_pinned_wheels(trt_and_plugin):
     assert t.targets() == RTX_TARGETS  # a new wheel with other targets must update trt.RTX_TARGETS and the docs
 
 
-def test_a_plugin_without_code_for_a_target_is_refused_naming_both(trt_and_plugin, tmp_path):
+def test_a_plugin_without_code_for_a_target_is_refused_naming_both(trt_and_plugin, tmp_path, monkeypatch):
     # The builder never checks the plugin's GPU code (an sm_86-only plugin was accepted into 7.5, 8.0 and 12.x
     # engines), so engine_plan does: a library compiled for sm_86 alone (real nvcc) against 8.0, 8.6 and 12.0.
-    t, _ = trt_and_plugin
+    t, plugin = trt_and_plugin
     if not t.is_rtx:
         pytest.skip("compute-capability targets are TensorRT-RTX's")
     nvcc = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
@@ -122,6 +123,11 @@ def test_a_plugin_without_code_for_a_target_is_refused_naming_both(trt_and_plugi
     assert "holds GPU code for sm_86, which does not run on compute capability 8.0, 12.0" in msg
     assert "targets 8.0, 8.6, 12.0" in msg and '--arch "80;86;120"' in msg
     assert engine_plan(lib, ["8.6", "8.9"]).targets == ["8.6", "8.9"]
+    # Without --plugin-lib, the first library found with code for every target is used: with the sm_86 one found
+    # first (say in build/plugins/) and the built plugin next, the sm_86 one for 8.6, the built plugin for 8.0.
+    monkeypatch.setattr(trt_mod, "plugin_candidates", lambda: [lib, plugin])
+    assert engine_plan(None, ["8.6"]).plugin_lib == lib
+    assert engine_plan(None, ["8.0"]).plugin_lib == plugin
     with pytest.raises(EngineUnavailable, match=r"compute capability 7.5 \(--compute-capability\): the "
                                                 r"KiviAttention kernels need SM 8.0 or newer"):
         engine_plan(lib, ["7.5"])

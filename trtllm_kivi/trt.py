@@ -92,7 +92,7 @@ class TensorRT:
 
     def onnx_parser(self, network: Any, logger: CapturingLogger) -> Any:
         if self.is_rtx:
-            why = rtx_parser_library_missing(self.trt)
+            why = rtx_parser_library_missing()
             if why:
                 raise TensorRTUnavailable(why)
         return self.trt.OnnxParser(network, logger)
@@ -233,7 +233,7 @@ def tensorrt_unavailable() -> str | None:
     return None
 
 
-def rtx_parser_library_missing(trt: ModuleType | None = None) -> str | None:
+def rtx_parser_library_missing() -> str | None:
     """Why TensorRT-RTX's ONNX parser would abort the process here (None: the name it opens is found: next to the
     parser, where its RPATH looks, or on the library path)."""
     libs = rtx_libs_dir()
@@ -259,21 +259,31 @@ def rtx_libs_dir() -> Path | None:
 # ----------------------------------------------------------------------------------------------- the plugin library
 
 
-def find_plugin(path: str | os.PathLike | None = None) -> Path:
-    """The KiviAttention plugin library for an engine: `path`, else $TRTLLM_KIVI_PLUGIN_LIB, build/plugins/,
-    build/plugins-rtx/ (build_plugin.sh --build-dir build/plugins-rtx), a packaged copy. FileNotFoundError names
-    every searched path."""
-    if path is not None:
-        return find_library(PLUGIN_LIBRARY_NAME, PLUGIN_LIBRARY_ENV, path)
+def plugin_candidates() -> list[Path]:
+    """Where find_plugin looks, in order: $TRTLLM_KIVI_PLUGIN_LIB, build/plugins/, build/plugins-rtx/
+    (build_plugin.sh --build-dir build/plugins-rtx), a packaged copy."""
     candidates = plugin_library_candidates()
     candidates.insert(len(candidates) - 1, RTX_PLUGIN_DIR / PLUGIN_LIBRARY_NAME)
-    for p in candidates:
-        if p.is_file():
-            return p
-    raise FileNotFoundError(
-        f"{PLUGIN_LIBRARY_NAME} not found; searched: {', '.join(map(str, candidates))}. Build it with "
-        f"`build_scripts/build_plugin.sh --tensorrt-root DIR` (DIR: a checkout of github.com/NVIDIA/TensorRT, "
-        f"for its include/ headers) or set {PLUGIN_LIBRARY_ENV}")
+    return candidates
+
+
+def find_plugins(path: str | os.PathLike | None = None) -> list[Path]:
+    """The KiviAttention plugin libraries an engine may use: [`path`] if given, else every candidate that exists
+    (plugin_candidates order). FileNotFoundError names every searched path."""
+    if path is not None:
+        return [find_library(PLUGIN_LIBRARY_NAME, PLUGIN_LIBRARY_ENV, path)]
+    found = [p for p in plugin_candidates() if p.is_file()]
+    if not found:
+        raise FileNotFoundError(
+            f"{PLUGIN_LIBRARY_NAME} not found; searched: {', '.join(map(str, plugin_candidates()))}. Build it with "
+            f"`build_scripts/build_plugin.sh --tensorrt-root DIR` (DIR: a checkout of github.com/NVIDIA/TensorRT, "
+            f"for its include/ headers) or set {PLUGIN_LIBRARY_ENV}")
+    return found
+
+
+def find_plugin(path: str | os.PathLike | None = None) -> Path:
+    """The first of find_plugins(path)."""
+    return find_plugins(path)[0]
 
 
 @dataclass(frozen=True)
@@ -362,5 +372,5 @@ def uncovered_targets(archs: CompiledArchs, targets: Iterable[str]) -> list[str]
 
 __all__ = ["FLAVOURS", "RTX_WHEEL", "RTX_TARGETS", "RTX_INSTALL_HINT", "TensorRTUnavailable", "TensorRT",
            "FieldCollection", "CapturingLogger", "find_tensorrt", "tensorrt_unavailable",
-           "rtx_parser_library_missing", "rtx_libs_dir", "find_plugin", "CompiledArchs", "compiled_archs",
+           "rtx_parser_library_missing", "rtx_libs_dir", "plugin_candidates", "find_plugins", "find_plugin", "CompiledArchs", "compiled_archs",
            "parse_compute_capability", "uncovered_targets"]

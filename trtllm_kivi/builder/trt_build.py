@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..format import SUPPORTED_HEAD_DIMS, KiviConfig
 from ..op import FIELD_NAMES, PLUGIN_NAME, ExportSpec, GraphInfo
-from ..trt import (RTX_INSTALL_HINT, CompiledArchs, TensorRT, TensorRTUnavailable, compiled_archs, find_plugin,
+from ..trt import (RTX_INSTALL_HINT, CompiledArchs, TensorRT, TensorRTUnavailable, compiled_archs, find_plugins,
                    find_tensorrt, parse_compute_capability, uncovered_targets)
 
 ACTIVATION_DTYPES = ("float16", "bfloat16")  # the plugin's activation types (fields.json activation_dtypes)
@@ -144,12 +144,14 @@ def engine_plan(plugin_lib: str | os.PathLike | None = None, compute_capability:
     for a target (both named). gpu: True = ask torch; None = no GPU; '8.6' = that one."""
     t = find_tensorrt_or_unavailable()
     try:
-        lib = find_plugin(plugin_lib)
+        libs = find_plugins(plugin_lib)
     except FileNotFoundError as e:
         raise EngineUnavailable(str(e)) from None
     requested = [parse_compute_capability(c) for c in compute_capability] if compute_capability else None
     targets, how = resolve_targets(t, requested, gpu_compute_capability() if gpu is True else gpu or None)
-    archs = compiled_archs(lib)
+    # the first library found with GPU code for every target (e.g. build/plugins-rtx/ when build/plugins/ is sm_90)
+    found = [(lib, compiled_archs(lib)) for lib in libs]
+    lib, archs = next(((lib, a) for lib, a in found if not uncovered_targets(a, targets)), found[0])
     missing = uncovered_targets(archs, targets)
     if missing:
         sms = ";".join(sorted({c.replace(".", "") for c in targets}, key=int))
