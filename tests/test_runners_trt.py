@@ -3,8 +3,8 @@ for the GPU here, and the tensorrt runner (runtime/trt_runner.py) drives it over
 
 Oracle: the torch runtime on the GPU in the same dtype (TorchRunner over a KiviCache with the same config).
 Needs a TensorRT Python package (trtllm_kivi.trt: NVIDIA's TensorRT, or TensorRT-RTX on a GPU it targets), a CUDA
-GPU and the built plugin library; skips naming the missing piece. Not run on any machine of this project so far (the
-lent GPUs were SM 9.0, which TensorRT-RTX does not target, and NVIDIA's TensorRT is not installable here)."""
+GPU and the built plugin library; skips naming the missing piece. Not run so far: the only GPU this project has run on,
+an H200, is SM 9.0, which TensorRT-RTX does not target, and NVIDIA's TensorRT cannot be installed from our registries."""
 
 import json
 
