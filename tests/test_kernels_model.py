@@ -2,7 +2,7 @@
 
 Oracle: trtllm_kivi.reference (append, kivi_attention_). The model runs the kernels' decomposition: launch plan,
 prepare checks (error bits), the flush index math into FRAGMENT-order words (bit-exact stores); its attention is the
-lane-level emulation of the default kernel (trtllm_kivi/cuda/mma_model.py, tested in test_kernels_mma_model.py),
+lane-level emulation of a decode variant's kernel (split_model.py / mma_model.py, tested in test_kernels_mma_model.py),
 compared here within mma_model.step_tolerance (derived there from the folded rounding).
 """
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from trtllm_kivi.cuda import launch, mma_model, model
+from trtllm_kivi.cuda.variants import VARIANTS
 from trtllm_kivi.cuda._abi import ERR_BLOCK_ID, ERR_CAPACITY, ERR_LENGTH, ERR_SLOT
 from trtllm_kivi.format import KiviConfig
 from trtllm_kivi.reference import KiviBuffers, kivi_attention_
@@ -90,16 +91,20 @@ def test_model_error_flags_skip_the_sequence():
             assert torch.equal(mod.k_window[int(slots[bad])], buf.k_window[int(slots[bad])])
 
 
-def test_model_plan_fills_one_wave():
-    """Decode at Llama-3-8B shapes: tiles x KV heads x splits <= SMs x CTAs/SM and more than 90% of it (9 splits
-    -> 576 CTAs for 528 slots would be 1.09 waves: a second, nearly empty wave)."""
+@pytest.mark.parametrize("variant", [v.id for v in VARIANTS[1:]])
+def test_model_plan_fills_the_variants_waves(variant):
+    """Decode at Llama-3-8B shapes: tiles x KV heads x splits <= waves x SMs x CTAs/SM and more than 90% of it (one
+    wave: 9 splits -> 576 CTAs for 528 slots would be 1.09 waves, a second nearly empty one); decode mode (fused
+    variants, chunks of one token) has one tile per sequence here (GQA 4)."""
     cfg = KiviConfig()
+    waves = VARIANTS[variant].waves
     for batch in (1, 8, 32):
         plan = launch.launch_plan(cfg, 32, 8, 128, batch, batch, 300, max_chunk_len=1, max_seq_len=32768,
-                                 num_sms=132, ctas_per_sm=4)
+                                  num_sms=132, ctas_per_sm=4, decode_variant=variant)
         ctas = plan.num_tiles * 8 * plan.num_splits
-        assert plan.num_tiles == batch
-        assert ctas <= 132 * 4 and (ctas >= 0.9 * 132 * 4 or plan.num_splits == 1), (batch, ctas)
+        assert plan.num_tiles == batch and plan.decode_variant == variant
+        assert plan.decode_mode == int(VARIANTS[variant].fused)
+        assert ctas <= waves * 132 * 4 and (ctas >= 0.9 * waves * 132 * 4 or plan.num_splits == 1), (batch, ctas)
 
 
 @pytest.mark.parametrize("sdt", [torch.float16, torch.bfloat16, torch.float32])

@@ -8,6 +8,7 @@ without our venv.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 from pathlib import Path
 
@@ -41,7 +42,9 @@ _PTR_FIELDS = ("q", "k", "v", "out", "slotIds", "pastLen", "chunkLen", "blockTab
 
 PLAN_FIELDS = ("window_capacity", "max_seq_len", "max_chunk_len", "group_heads", "tile_tokens", "num_tiles",
                "split_len", "num_splits", "flush_groups_per_seq", "seq_info_bytes", "partial_bytes",
-               "workspace_size", "tile_rows", "ctas_per_sm", "num_prefill_tiles")
+               "workspace_size", "tile_rows", "ctas_per_sm", "num_prefill_tiles", "decode_variant", "decode_mode",
+               "tiles_per_seq", "fused_combine", "window_by_attention", "counter_bytes")
+DECODE_VARIANT_AUTO, DECODE_VARIANT_BASELINE = 0, 1  # kiviDecodeVariants.h; trtllm_kivi/cuda/variants.py
 
 
 class KiviStepParams(ctypes.Structure):
@@ -49,7 +52,7 @@ class KiviStepParams(ctypes.Structure):
 
     _fields_ = ([(n, ctypes.c_int32) for n in _INT_FIELDS] + [(n, ctypes.c_void_p) for n in _PTR_FIELDS]
                 + [("workspaceSize", ctypes.c_size_t), ("attentionImpl", ctypes.c_int32),
-                   ("ctasPerSm", ctypes.c_int32), ("sinkTokens", ctypes.c_int32)])
+                   ("ctasPerSm", ctypes.c_int32), ("sinkTokens", ctypes.c_int32), ("decodeVariant", ctypes.c_int32)])
 
 
 class KiviLibrary:
@@ -72,6 +75,15 @@ class KiviLibrary:
         lib.kiviCWorkspaceSizeForProfile.restype = ctypes.c_size_t
         lib.kiviCCheckArch.argtypes = [ctypes.c_void_p, ctypes.c_int32]
         lib.kiviCCheckArch.restype = ctypes.c_int32
+        lib.kiviCDecodeVariantCount.restype = ctypes.c_int32
+        lib.kiviCDecodeVariantName.argtypes = [ctypes.c_int32]
+        lib.kiviCDecodeVariantName.restype = ctypes.c_char_p
+        lib.kiviCDecodeVariantDescribe.argtypes = [ctypes.c_int32, ctypes.c_char_p, ctypes.c_size_t]
+        lib.kiviCDecodeVariantDescribe.restype = ctypes.c_int32
+        lib.kiviCDecodeVariantFor.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]
+        lib.kiviCDecodeVariantFor.restype = ctypes.c_int32
+        lib.kiviCLaunchPlanFor.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64)]
+        lib.kiviCLaunchPlanFor.restype = ctypes.c_int32
         self.has_launchers = hasattr(lib, "kiviCStep")
         if self.has_launchers:
             for name in ("kiviCStep", "kiviCAttention", "kiviCAppend"):
@@ -96,10 +108,30 @@ class KiviLibrary:
         rc = self.lib.kiviCValidate(ctypes.byref(params), phase)
         return "" if rc == 0 else self.last_error()
 
-    def launch_plan(self, params: KiviStepParams) -> dict[str, int]:
+    def launch_plan(self, params: KiviStepParams, sm_version: int | None = None) -> dict[str, int]:
+        """kiviLaunchPlan; decodeVariant 0 (auto) resolved for compute capability sm_version (None: sm_90)."""
         out = (ctypes.c_int64 * len(PLAN_FIELDS))()
-        self.lib.kiviCLaunchPlan(ctypes.byref(params), out)
-        return dict(zip(PLAN_FIELDS, (int(x) for x in out), strict=False))
+        if sm_version is None:
+            self.lib.kiviCLaunchPlan(ctypes.byref(params), out)
+        else:
+            self.lib.kiviCLaunchPlanFor(ctypes.byref(params), sm_version, out)
+        return dict(zip(PLAN_FIELDS, (int(x) for x in out), strict=True))
+
+    def decode_variants(self) -> list[dict]:
+        """Every decode attention variant as {id, name, kernel, stages, keys_per_stage, waves, split_policy, combine,
+        window, prepare, window_row_write, copy, compiled} (kiviCDecodeVariantDescribe); id 0 is auto."""
+        out = []
+        buf = ctypes.create_string_buffer(1024)
+        for i in range(int(self.lib.kiviCDecodeVariantCount())):
+            if self.lib.kiviCDecodeVariantDescribe(i, buf, len(buf)) != 0:
+                raise RuntimeError(f"{self.path}: kiviCDecodeVariantDescribe({i}) failed")
+            out.append(json.loads(buf.value.decode()))
+        return out
+
+    def decode_variant_for(self, params: KiviStepParams, sm_version: int, num_sms: int) -> int:
+        """The variant decodeVariant 0 (auto) runs for these params on compute capability sm_version (e.g. 90)
+        with num_sms SMs (0: 132); an explicit params.decodeVariant is returned as is."""
+        return int(self.lib.kiviCDecodeVariantFor(ctypes.byref(params), sm_version, num_sms))
 
     def workspace_size(self, params: KiviStepParams) -> int:
         return int(self.lib.kiviCWorkspaceSize(ctypes.byref(params)))
@@ -127,6 +159,12 @@ class KiviLibrary:
         fn = {PHASE_STEP: self.lib.kiviCStep, PHASE_ATTENTION: self.lib.kiviCAttention,
               PHASE_APPEND: self.lib.kiviCAppend}[phase]
         return int(fn(ctypes.byref(params), ctypes.c_void_p(stream)))
+
+
+def decode_variants(lib: KiviLibrary | None = None) -> list[dict]:
+    """The decode attention variants of the kernel library (ids for KiviStepParams.decodeVariant /
+    ops.make_params(decode_variant=...)): id, name and tunables (KiviLibrary.decode_variants)."""
+    return (lib or load_library()).decode_variants()
 
 
 def library_candidates() -> list[Path]:

@@ -1,4 +1,5 @@
-"""Lane-level CPU emulation of the default decode attention kernel (plugins/kernels/include/kiviDecodeMma.cuh).
+"""Lane-level CPU emulation of the baseline decode attention kernel (decode variant 1:
+plugins/kernels/include/kiviDecodeMma.cuh); split_model.py reuses its fragments, chunk arithmetic and tolerance.
 
 What it reproduces, in numpy, with the kernel's arithmetic (the fragment layouts, the bit conversion and the MMA
 model shared with the prefill emulation live in fragments.py):
@@ -39,6 +40,7 @@ from . import prefill_model
 from .fragments import (LOG2E, MANTISSA, CtaInputs, assemble_a, code_affine, exp2, f32, mma, p_to_b_fragment,
                         round_to, unpack_tile)
 from .launch import LaunchPlan, launch_plan, prepare
+from .variants import VARIANT_BASELINE
 
 WARPS = 4
 CHUNK = 32  # keys per warp iteration: two 16-key MMA tiles
@@ -51,7 +53,7 @@ UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 # ---------------------------------------------------------------------------------------------- one warp
 
 
-class _Warp:
+class Warp:
     """One warp's online-softmax state over its key range (heads = the CTA's N = 8 rows)."""
 
     def __init__(self, d: int, n_vgroups: int) -> None:
@@ -67,7 +69,7 @@ class _Warp:
         return self.m, lsum, o
 
 
-def _quantized_tiles(ctx: CtaInputs, kind: str, blk: int, h: int, r: int) -> np.ndarray:
+def quantized_tiles(ctx: CtaInputs, kind: str, blk: int, h: int, r: int) -> np.ndarray:
     """The two 16-token tiles of the chunk at block row r (a multiple of 32) -> A matrices [2, D/16, 16, 16] of the
     converted registers (keys: [key, channel]; values: V^T [channel, key])."""
     bits = ctx.cfg.k_bits if kind == "keys" else ctx.cfg.v_bits
@@ -101,12 +103,12 @@ def _key_fold(qa: np.ndarray, sk: np.ndarray, zk: np.ndarray, act: torch.dtype, 
     return qk, f32(f32(parts[0] + parts[1]) * np.float32(beta))
 
 
-def _fma(a, b, c) -> np.ndarray:
+def fma(a, b, c) -> np.ndarray:
     """fl32(a b + c) with one rounding (fmaf)."""
     return (np.asarray(a, np.float64) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(np.float32)
 
 
-def _warp_chunk(ctx: CtaInputs, warp: _Warp, qa: np.ndarray, q_fp: np.ndarray, kt: int, k1: int, pos: np.ndarray,
+def _warp_chunk(ctx: CtaInputs, warp: Warp, qa: np.ndarray, q_fp: np.ndarray, kt: int, k1: int, pos: np.ndarray,
                 quant: bool, blk: int, h: int, slot: int, s: int, nq: int, k_chunk: np.ndarray,
                 v_chunk: np.ndarray) -> None:
     """One 32-key chunk [kt, kt + 32) of one warp: S MMA (seeded with the bias), mask, online softmax, P V MMA and
@@ -116,8 +118,8 @@ def _warp_chunk(ctx: CtaInputs, warp: _Warp, qa: np.ndarray, q_fp: np.ndarray, k
     nvg = d // ctx.gv
     if quant:
         r = kt % cfg.block_size
-        ak = _quantized_tiles(ctx, "keys", blk, h, r)  # [2, D/16, 16 keys, 16 ch]
-        av = _quantized_tiles(ctx, "values", blk, h, r)  # [2, D/16, 16 ch, 16 keys]
+        ak = quantized_tiles(ctx, "keys", blk, h, r)  # [2, D/16, 16 keys, 16 ch]
+        av = quantized_tiles(ctx, "values", blk, h, r)  # [2, D/16, 16 ch, 16 keys]
         grp = r // cfg.group_size
         sk, zk = round_to(ctx.ks[blk, h, grp], act), round_to(ctx.kz[blk, h, grp], act)  # [D] as T
         bq, bias = _key_fold(qa, sk, zk, act, cfg.k_bits)
@@ -196,7 +198,7 @@ def cta(ctx: CtaInputs, qrows: np.ndarray, live: np.ndarray, pos: np.ndarray, k0
     qa = f32(q_fp * np.float32(1.0 / beta_k))  # exact: a power of two
     results = []
     for a, b in warp_ranges(k0, k1):
-        warp = _Warp(d, d // ctx.gv)
+        warp = Warp(d, d // ctx.gv)
         for kt in range(a, b, CHUNK):
             quant = kt < nq
             blk = int(table_row[kt // ctx.cfg.block_size]) if quant else -1
@@ -209,8 +211,8 @@ def cta(ctx: CtaInputs, qrows: np.ndarray, live: np.ndarray, pos: np.ndarray, k0
     lsum = np.zeros(N, np.float32)
     o = np.zeros((d, N), np.float32)
     for w, (_, lw, ow) in enumerate(results):
-        lsum = _fma(lw, f[w], lsum)
-        o = _fma(ow, f[w][None], o)
+        lsum = fma(lw, f[w], lsum)
+        o = fma(ow, f[w][None], o)
     return mx, lsum, o.T
 
 
@@ -228,7 +230,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_ids: torch
     num_blocks, hkv = buffers.k_codes.shape[:2]
     batch = slot_ids.shape[0]
     plan = launch_plan(cfg, nh, hkv, d, batch, tokens, block_table.shape[1], max_chunk_len, max_seq_len, num_sms,
-                       ctas_per_sm)
+                       ctas_per_sm, decode_variant=VARIANT_BASELINE)
     slots, pasts, chunks = slot_ids.tolist(), past_len.tolist(), chunk_len.tolist()
     infos, flag = prepare(plan, cfg, slots, pasts, chunks, block_table, tokens, num_blocks,
                           buffers.k_window.shape[0])

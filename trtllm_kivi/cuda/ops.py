@@ -20,9 +20,11 @@ def make_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
                 slot_ids: torch.Tensor, past_len: torch.Tensor, chunk_len: torch.Tensor, block_table: torch.Tensor,
                 buffers: KiviBuffers, cfg: KiviConfig, *, max_chunk_len: int = 0, max_seq_len: int = 0,
                 num_sms: int = 0, error_flag: torch.Tensor | None = None,
-                attention_impl: int = _abi.ATTN_AUTO, ctas_per_sm: int = 0) -> KiviStepParams:
+                attention_impl: int = _abi.ATTN_AUTO, ctas_per_sm: int = 0, decode_variant: int = 0
+                ) -> KiviStepParams:
     """Fill KiviStepParams from tensors (shapes and data pointers only; nothing is read, so CPU tensors work for
-    validation tests). workspace is left empty: see `run_step`."""
+    validation tests). workspace is left empty: see `run_step`. decode_variant: 0 = auto (the plan table), 1 =
+    baseline, 2.. = the variants of _abi.decode_variants()."""
     tokens, h, d = q.shape
     num_blocks, hkv = buffers.k_codes.shape[:2]
     p = KiviStepParams()
@@ -44,6 +46,7 @@ def make_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     p.attentionImpl = attention_impl
     p.ctasPerSm = ctas_per_sm
     p.sinkTokens = cfg.sink_tokens
+    p.decodeVariant = decode_variant
     return p
 
 
@@ -85,7 +88,8 @@ def kivi_attention_cuda_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot
                          buffers: KiviBuffers, cfg: KiviConfig, *, max_chunk_len: int = 0, max_seq_len: int = 0,
                          error_flag: torch.Tensor | None = None, check: bool = True,
                          out: torch.Tensor | None = None, phase: int = _abi.PHASE_STEP,
-                         attention_impl: int = _abi.ATTN_AUTO, lib: KiviLibrary | None = None) -> torch.Tensor:
+                         attention_impl: int = _abi.ATTN_AUTO, lib: KiviLibrary | None = None,
+                         decode_variant: int = 0) -> torch.Tensor:
     """CUDA form of reference.kivi_attention_: updates `buffers` in place and returns out [tokens, H, D].
 
     max_chunk_len / max_seq_len: host upper bounds of chunk_len and past_len + chunk_len when the caller knows them
@@ -94,7 +98,8 @@ def kivi_attention_cuda_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot
     error_flag: optional int32 [1] CUDA tensor the kernels OR KiviErrorBits into. out: optional preallocated
     [tokens, H, D] output. phase: _abi.PHASE_STEP (attend, then append), PHASE_ATTENTION or PHASE_APPEND only.
     attention_impl: _abi.ATTN_AUTO or ATTN_MMA (the mma.sync kernel, sm_80+; the legacy SIMT/WMMA kernels are
-    refused). The split is sized from the kernel's real occupancy on this device (kiviCAttentionCtasPerSm)."""
+    refused). decode_variant: the decode attention design point (0 = auto, 1 = baseline, _abi.decode_variants()).
+    The split is sized from the variant's real occupancy on this device (kiviCAttentionCtasPerSm)."""
     lib = lib or _abi.load_library()
     if check:
         _check_tensors(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers, cfg)
@@ -111,7 +116,7 @@ def kivi_attention_cuda_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot
     params = make_params(q, k, v, out, slot_ids, past_len, chunk_len, block_table, buffers, cfg,
                          max_chunk_len=max_chunk_len, max_seq_len=max_seq_len,
                          num_sms=props.multi_processor_count, error_flag=error_flag,
-                         attention_impl=attention_impl)
+                         attention_impl=attention_impl, decode_variant=decode_variant)
     params.ctasPerSm = _ctas_per_sm(lib, params, q.device)
     run_step(lib, params, q.device, phase)
     return out
@@ -121,8 +126,11 @@ _OCCUPANCY: dict[tuple, int] = {}
 
 
 def _ctas_per_sm(lib: KiviLibrary, params: KiviStepParams, device: torch.device) -> int:
-    """Occupancy of the attention kernel for (device, head_dim, dtypes, bits, G), cached; 0 (the default) on error."""
-    key = (str(device), params.headDim, params.actDtype, params.scaleDtype, params.kBits, params.vBits,
+    """Occupancy of the decode attention kernel that runs these params (the variant auto resolves to on this device,
+    head_dim, dtypes, bits, G), cached; 0 (the default) on error."""
+    major, minor = torch.cuda.get_device_capability(device)
+    variant = lib.decode_variant_for(params, 10 * major + minor, params.numSms)
+    key = (str(device), variant, params.headDim, params.actDtype, params.scaleDtype, params.kBits, params.vBits,
            params.groupSize)
     if key not in _OCCUPANCY:
         with torch.cuda.device(device):

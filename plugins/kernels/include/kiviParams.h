@@ -90,6 +90,8 @@ struct KiviStepParams
                            //!< launcher's kiviAttentionCtasPerSm() gives the real occupancy on the current device
     // FORMAT_VERSION 2 (format.py); rotation is applied outside the op, so only the sinks reach the kernels
     int32_t sinkTokens; //!< S (0 .. kMAX_SINK_TOKENS): tokens [0, S) kept in full precision, window rows [0, S)
+    // decode attention design point (kiviDecodeVariants.h): 0 = auto (the plan table), 1 = baseline, 2.. = variants
+    int32_t decodeVariant;
 };
 
 //! Attention kernel choice (KiviStepParams::attentionImpl). Same decomposition, same workspace.
@@ -125,6 +127,18 @@ struct KiviLaunchPlan
     int32_t numPrefillTiles; //!< prefill kernel grid.x (0: no sequence of this step can be a prefill sequence): an
                              //!< upper bound of sum_b ceil(c_b x groupHeads / kPREFILL_TILE_ROWS) over the sequences
                              //!< with c_b x groupHeads >= kPREFILL_TILE_ROWS (kiviPrepareKernel's assignment)
+    // appended with the decode variants (kiviDecodeVariants.h)
+    int32_t decodeVariant; //!< the resolved variant (never 0 = auto)
+    int32_t decodeMode;    //!< 1: a pure-decode step (maxChunkLen <= 1) of a fused variant: grid x = sequence x
+                           //!< tilesPerSeq + tile, and the attention kernel derives each sequence's offsets itself
+                           //!< (no wait for the prepare kernel before its key loop)
+    int32_t tilesPerSeq;   //!< ceil(groupHeads / kTILE_ROWS): decode-mode tiles per sequence
+    int32_t fusedCombine;  //!< 1: the last CTA of each (tile, KV head) merges the splits (no combine kernel): a
+                           //!< fused variant, numSplits > 1 and no prefill tile in the step
+    int32_t windowByAttention; //!< 1 (fused variants): the attention kernel writes the window row of each valid
+                               //!< one-token non-flush chunk and the append kernel skips those sequences
+    size_t counterBytes;   //!< workspace part 3 (fusedCombine): one int32 arrival counter per (tile, KV head),
+                           //!< zeroed by kiviPrepareKernel each step
 };
 
 constexpr int32_t kKEY_TILE = 32;      //!< keys per attention tile (a G-group never straddles one: G % 32 == 0)
@@ -155,7 +169,26 @@ constexpr int32_t kPHASE_STEP = 3;
 int32_t kiviValidate(KiviStepParams const& p, int32_t phase, char* msg, size_t msgLen);
 
 //! The launch plan of `p` (call only with params that kiviValidate accepts, pointers aside).
-KiviLaunchPlan kiviLaunchPlan(KiviStepParams const& p);
+//! `smVersion` (major * 10 + minor) resolves decodeVariant 0 (auto) through the plan table; host-only callers that do
+//! not know the device get the sm_90 plan.
+constexpr int32_t kKIVI_PLAN_ARCH = 90;
+KiviLaunchPlan kiviLaunchPlan(KiviStepParams const& p, int32_t smVersion = kKIVI_PLAN_ARCH);
+
+//! The variant `auto` resolves to for these host fields on a device of compute capability smVersion with numSms SMs
+//! (0: kDEFAULT_NUM_SMS): the first matching entry of kKIVI_DECODE_PLAN whose variant is compiled for the
+//! combination, else kKIVI_VARIANT_DEFAULT. An explicit p.decodeVariant is returned as is.
+int32_t kiviDecodeVariantFor(KiviStepParams const& p, int32_t smVersion, int32_t numSms);
+
+//! Shared memory (dynamic) of the split decode kernel for (headDim, bits, stages, scale bytes, G): per-warp stage
+//! rings, the full-precision tiles of two warps; the warp merge reuses it. Static shared memory (q fragments) is
+//! kiviSplitStaticSmemBytes(headDim).
+int32_t kiviSplitSmemBytes(int32_t headDim, int32_t kBits, int32_t vBits, int32_t stages, int32_t scaleBytes,
+    int32_t groupSize);
+int32_t kiviSplitStaticSmemBytes(int32_t headDim);
+
+//! Resident CTAs per SM the plan assumes for a variant when the caller passes none: the kernel's launch-bounds
+//! occupancy, lowered where its shared memory allows fewer on sm_90 (228 KB per SM). A pure function of host fields.
+int32_t kiviVariantCtasPerSm(KiviStepParams const& p, int32_t variant);
 
 //! The message of the last validation failure of a launcher on this thread ("" when none), and its setter.
 char const* kiviGetLastErrorMessage();

@@ -1,6 +1,7 @@
 // Host-side validation and launch planning of the KIVI kernels: plain C++ (compiled by g++ in the CPU tests).
 #include "kiviParams.h"
 
+#include "kiviDecodeVariants.h"
 #include "kiviFormat.h"
 
 #include <cstdarg>
@@ -75,16 +76,18 @@ size_t partialBytesOf(KiviStepParams const& p, int64_t splits)
         + roundUp256(rows * 2 * sizeof(float));
 }
 
-//! The split count the plan aims for: floor(SMs x ctasPerSm / (tiles x KV heads)) -- one whole wave of resident
-//! CTAs -- clamped to [1, maxSplits] (maxSplits = ceil(maxSeqLen / kMIN_SPLIT_LEN)). numSplits <= this, with equality
-//! unless rounding splitLen up to whole key tiles leaves the last split empty. plan.numTiles, plan.numPrefillTiles,
-//! plan.maxSeqLen and plan.ctasPerSm must be set. Never increases with numTokens: the tiles of both kernels together
-//! never decrease (where the prefill kernel starts, the decode cap of 8 tiles per sequence clips only batch 1, by
-//! one tile, and the prefill bound adds two).
+//! The split count the plan aims for: floor(waves x SMs x ctasPerSm / (tiles x KV heads)) -- the variant's number of
+//! whole waves of resident CTAs -- clamped to [1, maxSplits] (maxSplits = ceil(maxSeqLen / kMIN_SPLIT_LEN)).
+//! numSplits <= this, with equality unless rounding splitLen up to whole key tiles leaves the last split empty.
+//! plan.numTiles, plan.numPrefillTiles, plan.maxSeqLen, plan.ctasPerSm and plan.decodeVariant must be set. Outside
+//! decode mode it never increases with numTokens: the tiles of both kernels together never decrease (where the
+//! prefill kernel starts, the decode cap of 8 tiles per sequence clips only batch 1, by one tile, and the prefill
+//! bound adds two).
 int64_t targetSplits(KiviStepParams const& p, KiviLaunchPlan const& plan)
 {
     int64_t const sms = p.numSms > 0 ? p.numSms : kDEFAULT_NUM_SMS;
-    int64_t const slots = sms * (plan.ctasPerSm > 0 ? plan.ctasPerSm : defaultCtasPerSm(p.kBits, p.vBits));
+    int64_t const slots = sms * (plan.ctasPerSm > 0 ? plan.ctasPerSm : defaultCtasPerSm(p.kBits, p.vBits))
+        * kKIVI_DECODE_VARIANTS[plan.decodeVariant].waves;
     int64_t const tiles = int64_t(plan.numTiles) + plan.numPrefillTiles; // CTAs per split of both kernels
     int64_t const base = (tiles > 0 ? tiles : 1) * (p.numKvHeads > 0 ? p.numKvHeads : 1);
     int64_t const splits = slots / base;
@@ -211,6 +214,19 @@ int32_t kiviValidate(KiviStepParams const& p, int32_t phase, char* msg, size_t m
     {
         return fail(msg, msgLen, "num_sms=%d must be >= 0 (0: %d)", p.numSms, kDEFAULT_NUM_SMS);
     }
+    if (p.decodeVariant < 0 || p.decodeVariant >= kKIVI_DECODE_VARIANT_COUNT)
+    {
+        return fail(msg, msgLen, "decode_variant=%d is out of range; allowed: 0 (auto) .. %d (%s)", p.decodeVariant,
+            kKIVI_DECODE_VARIANT_COUNT - 1, kKIVI_DECODE_VARIANTS[kKIVI_DECODE_VARIANT_COUNT - 1].name);
+    }
+    if (p.decodeVariant != kKIVI_VARIANT_AUTO && !kiviVariantCompiled(p.decodeVariant, p.headDim, p.kBits, p.vBits))
+    {
+        return fail(msg, msgLen,
+            "decode_variant=%d (%s) is compiled for head_dim 128 with 2-bit keys and values only; this step has "
+            "head_dim=%d, k_bits=%d, v_bits=%d; use 0 (auto) or %d (%s)",
+            p.decodeVariant, kKIVI_DECODE_VARIANTS[p.decodeVariant].name, p.headDim, p.kBits, p.vBits,
+            kKIVI_VARIANT_DEFAULT, kKIVI_DECODE_VARIANTS[kKIVI_VARIANT_DEFAULT].name);
+    }
     if (p.batch == 0 || p.numTokens == 0)
     {
         return 0; // nothing to launch; pointers may be null
@@ -267,9 +283,86 @@ int32_t kiviValidate(KiviStepParams const& p, int32_t phase, char* msg, size_t m
     return 0;
 }
 
-KiviLaunchPlan kiviLaunchPlan(KiviStepParams const& p)
+namespace
+{
+//! The shape class of a step for the plan table (kiviDecodeVariants.h).
+int32_t shapeClass(KiviStepParams const& p, int32_t numSms)
+{
+    int32_t const mcl = p.maxChunkLen > 0 ? p.maxChunkLen : p.numTokens;
+    if (mcl > 1)
+    {
+        return kKIVI_SHAPE_MIXED;
+    }
+    int64_t const grp = p.numKvHeads > 0 && p.numHeads >= p.numKvHeads ? p.numHeads / p.numKvHeads : 1;
+    int64_t const ctas = int64_t(p.batch) * ceilDiv(grp, kTILE_ROWS) * (p.numKvHeads > 0 ? p.numKvHeads : 1);
+    return ctas < (numSms > 0 ? numSms : kDEFAULT_NUM_SMS) ? kKIVI_SHAPE_FEW_CTAS : kKIVI_SHAPE_MANY_CTAS;
+}
+} // namespace
+
+int32_t kiviDecodeVariantFor(KiviStepParams const& p, int32_t smVersion, int32_t numSms)
+{
+    if (p.decodeVariant != kKIVI_VARIANT_AUTO)
+    {
+        return p.decodeVariant;
+    }
+    int32_t const sms = numSms > 0 ? numSms : kDEFAULT_NUM_SMS;
+    int32_t const cls = shapeClass(p, sms);
+    for (KiviDecodePlanEntry const& e : kKIVI_DECODE_PLAN)
+    {
+        bool const match = (e.arch == 0 || e.arch == smVersion) && (e.minSms == 0 || sms >= e.minSms)
+            && (e.maxSms == 0 || sms <= e.maxSms) && (e.shapeClass == kKIVI_SHAPE_ANY || e.shapeClass == cls);
+        if (match && kiviVariantCompiled(e.variant, p.headDim, p.kBits, p.vBits))
+        {
+            return e.variant;
+        }
+    }
+    return kKIVI_VARIANT_DEFAULT;
+}
+
+int32_t kiviSplitStaticSmemBytes(int32_t headDim)
+{
+    return 2 * (headDim / 32) * 32 * 16; // the B fragments of q (qa and rnd(qsc)), uint4 per lane and 32 channels
+}
+
+int32_t kiviSplitSmemBytes(int32_t headDim, int32_t kBits, int32_t vBits, int32_t stages, int32_t scaleBytes,
+    int32_t groupSize)
+{
+    int32_t const gv = groupSize < headDim ? groupSize : headDim;
+    // one 32-key stage (mmaStageBytes): K and V words, K scale + zero [D], V scale + zero [32 keys][D / Gv]
+    int32_t const stage = 32 * headDim * (kBits + vBits) / 8 + 2 * headDim * scaleBytes
+        + 2 * 32 * (headDim / gv) * scaleBytes;
+    int32_t const rings = 4 * stages * stage;
+    int32_t const fpTiles = 2 * 2 * 16 * headDim * 2; // two warps' 16-key K and V tiles of 16-bit rows
+    int32_t const merge = 4 * kTILE_ROWS * (headDim + 2) * 4;
+    return rings + fpTiles > merge ? rings + fpTiles : merge;
+}
+
+int32_t kiviVariantCtasPerSm(KiviStepParams const& p, int32_t variant)
+{
+    int32_t const bounds = defaultCtasPerSm(p.kBits, p.vBits); // __launch_bounds__ of both decode kernels
+    if (variant <= kKIVI_VARIANT_AUTO || variant >= kKIVI_DECODE_VARIANT_COUNT
+        || kKIVI_DECODE_VARIANTS[variant].kernel != kKIVI_KERNEL_SPLIT)
+    {
+        return bounds;
+    }
+    int32_t const stages = kiviVariantStages(variant, p.headDim, p.kBits, p.vBits);
+    int32_t const smem = kiviSplitSmemBytes(p.headDim, p.kBits, p.vBits, stages, p.scaleDtype == kKIVI_FLOAT32 ? 4 : 2,
+                             p.groupSize > 0 ? p.groupSize : 32)
+        + kiviSplitStaticSmemBytes(p.headDim);
+    int32_t const bySmem = 233472 / (smem + 1024); // sm_90: 228 KB per SM, 1 KB reserved per CTA
+    int32_t const ctas = bySmem < bounds ? bySmem : bounds;
+    return ctas > 0 ? ctas : 1;
+}
+
+KiviLaunchPlan kiviLaunchPlan(KiviStepParams const& p, int32_t smVersion)
 {
     KiviLaunchPlan plan{};
+    plan.decodeVariant = kiviDecodeVariantFor(p, smVersion, p.numSms);
+    if (plan.decodeVariant <= 0 || plan.decodeVariant >= kKIVI_DECODE_VARIANT_COUNT)
+    {
+        plan.decodeVariant = kKIVI_VARIANT_DEFAULT; // invalid params: a useless but indexable plan
+    }
+    KiviDecodeVariant const& variant = kKIVI_DECODE_VARIANTS[plan.decodeVariant];
     plan.windowCapacity = windowCapacity(p.residualLength, p.groupSize);
     int64_t const capacity = int64_t(p.maxBlocksPerSeq) * p.blockSize + p.sinkTokens + plan.windowCapacity;
     plan.maxSeqLen = static_cast<int32_t>(p.maxSeqLen > 0 ? p.maxSeqLen : capacity);
@@ -296,11 +389,19 @@ KiviLaunchPlan kiviLaunchPlan(KiviStepParams const& p)
         int64_t const decodeCap = int64_t(p.batch) * ceilDiv(kPREFILL_TILE_ROWS - 1, kTILE_ROWS);
         tiles = tiles < decodeCap ? tiles : decodeCap;
     }
+    // Decode mode (a fused variant, every chunk at most one token): tile x = sequence x tilesPerSeq + tile of the
+    // sequence, so the attention kernel needs no prefix sums from the prepare kernel to find its sequence.
+    plan.tilesPerSeq = static_cast<int32_t>(ceilDiv(grp, kTILE_ROWS));
+    plan.decodeMode = variant.fused != 0 && plan.maxChunkLen <= 1 ? 1 : 0;
+    if (plan.decodeMode)
+    {
+        tiles = int64_t(p.batch) * plan.tilesPerSeq;
+    }
     plan.numTiles = static_cast<int32_t>(tiles);
-    // Split the keys so that tiles x KV heads x splits fills one wave of SMs x ctasPerSm resident CTAs (whole
-    // waves: never more CTAs than slots unless tiles x KV heads alone exceed them); splits of >= kMIN_SPLIT_LEN
-    // keys. Lengths are device values, so the split is sized for maxSeqLen (a hint when known).
-    plan.ctasPerSm = p.ctasPerSm > 0 ? p.ctasPerSm : defaultCtasPerSm(p.kBits, p.vBits);
+    // Split the keys so that tiles x KV heads x splits fills the variant's waves of SMs x ctasPerSm resident CTAs
+    // (never more CTAs than that unless tiles x KV heads alone exceed them); splits of >= kMIN_SPLIT_LEN keys.
+    // Lengths are device values, so the split is sized for maxSeqLen (a hint when known).
+    plan.ctasPerSm = p.ctasPerSm > 0 ? p.ctasPerSm : kiviVariantCtasPerSm(p, plan.decodeVariant);
     int64_t const splits = targetSplits(p, plan);
     int64_t const msl = plan.maxSeqLen > 0 ? plan.maxSeqLen : 1;
     int64_t const splitLen = ceilDiv(ceilDiv(msl, splits), kKEY_TILE) * kKEY_TILE;
@@ -313,6 +414,15 @@ KiviLaunchPlan kiviLaunchPlan(KiviStepParams const& p)
     if (plan.numSplits > 1)
     {
         plan.partialBytes = partialBytesOf(p, plan.numSplits);
+    }
+    // Fused variants: with no prefill tile in the step the last CTA of each (tile, KV head) merges the splits (one
+    // arrival counter each), and the attention kernel writes the window row of every one-token, non-flush chunk
+    // (a row this step's attention never reads: the append kernel skips those sequences).
+    plan.windowByAttention = variant.fused;
+    plan.fusedCombine = variant.fused != 0 && plan.numPrefillTiles == 0 && plan.numSplits > 1 ? 1 : 0;
+    if (plan.fusedCombine)
+    {
+        plan.counterBytes = roundUp256(size_t(plan.numTiles) * size_t(p.numKvHeads > 0 ? p.numKvHeads : 0) * 4);
     }
     return plan;
 }
@@ -332,14 +442,57 @@ void kiviSetLastErrorMessage(char const* msg)
     std::snprintf(tLastError, sizeof(tLastError), "%s", msg != nullptr ? msg : "");
 }
 
+namespace
+{
+//! The variants a step with these host fields may run: p.decodeVariant, or for auto every variant the plan table
+//! can pick on any arch (the workspace is sized before the device is known, e.g. by TensorRT at build time).
+int32_t candidateVariants(KiviStepParams const& p, int32_t* out)
+{
+    if (p.decodeVariant != kKIVI_VARIANT_AUTO)
+    {
+        out[0] = p.decodeVariant;
+        return 1;
+    }
+    int32_t n = 0;
+    out[n++] = kKIVI_VARIANT_DEFAULT;
+    for (KiviDecodePlanEntry const& e : kKIVI_DECODE_PLAN)
+    {
+        bool seen = false;
+        for (int32_t i = 0; i < n; ++i)
+        {
+            seen = seen || out[i] == e.variant;
+        }
+        if (!seen && kiviVariantCompiled(e.variant, p.headDim, p.kBits, p.vBits))
+        {
+            out[n++] = e.variant;
+        }
+    }
+    return n;
+}
+
+size_t planWorkspace(KiviLaunchPlan const& plan)
+{
+    return plan.seqInfoBytes + plan.partialBytes + plan.counterBytes;
+}
+} // namespace
+
 size_t kiviWorkspaceSize(KiviStepParams const& p)
 {
     if (p.batch <= 0 || p.numTokens <= 0)
     {
         return 0;
     }
-    KiviLaunchPlan const plan = kiviLaunchPlan(p);
-    return plan.seqInfoBytes + plan.partialBytes;
+    int32_t variants[kKIVI_DECODE_VARIANT_COUNT + kKIVI_DECODE_PLAN_SIZE];
+    int32_t const n = candidateVariants(p, variants);
+    size_t need = 0;
+    for (int32_t i = 0; i < n; ++i)
+    {
+        KiviStepParams q = p;
+        q.decodeVariant = variants[i];
+        size_t const bytes = planWorkspace(kiviLaunchPlan(q));
+        need = bytes > need ? bytes : need;
+    }
+    return need;
 }
 
 size_t kiviWorkspaceSizeForProfile(
@@ -354,25 +507,43 @@ size_t kiviWorkspaceSizeForProfile(
     // block-table width (the exporter's) the plan's numSplits is exact; with a range of widths, the target split
     // count at the widest bounds numSplits at every width (a narrower table only lowers maxSplits). The split count
     // never increases with tokens: stop at the first token count without a split.
-    KiviStepParams s = maxStep;
-    s.maxSeqLen = 0;
-    s.batch = minBatch < 1 ? 1 : (minBatch > maxStep.batch ? maxStep.batch : minBatch);
+    // Decode mode (fused variants, chunks of at most one token) plans tiles per sequence: its split count does not
+    // follow the token count, so those token counts never stop the loop. Arrival counters (fused combine) number at
+    // most half the variant's CTA slots (a split count >= 2 means tiles x KV heads <= slots / 2).
+    int32_t variants[kKIVI_DECODE_VARIANT_COUNT + kKIVI_DECODE_PLAN_SIZE];
+    int32_t const n = candidateVariants(maxStep, variants);
     bool const fixedWidth = minBlocksPerSeq >= maxStep.maxBlocksPerSeq;
     size_t partial = 0;
-    for (int32_t t = minTokens < 1 ? 1 : minTokens; t <= maxStep.numTokens; ++t)
+    size_t counters = 0;
+    for (int32_t v = 0; v < n; ++v)
     {
-        s.numTokens = t;
-        KiviLaunchPlan const plan = kiviLaunchPlan(s);
-        int64_t const target = targetSplits(s, plan);
-        if (target <= 1)
+        KiviStepParams s = maxStep;
+        s.decodeVariant = variants[v];
+        s.maxSeqLen = 0;
+        s.batch = minBatch < 1 ? 1 : (minBatch > maxStep.batch ? maxStep.batch : minBatch);
+        for (int32_t t = minTokens < 1 ? 1 : minTokens; t <= maxStep.numTokens; ++t)
         {
-            break;
+            s.numTokens = t;
+            KiviLaunchPlan const plan = kiviLaunchPlan(s);
+            int64_t const target = targetSplits(s, plan);
+            if (target <= 1 && !plan.decodeMode)
+            {
+                break;
+            }
+            int64_t const splits = fixedWidth ? plan.numSplits : target;
+            size_t const bytes = splits > 1 ? partialBytesOf(s, splits) : 0;
+            partial = bytes > partial ? bytes : partial;
+            if (kKIVI_DECODE_VARIANTS[plan.decodeVariant].fused && splits > 1)
+            {
+                int64_t const sms = s.numSms > 0 ? s.numSms : kDEFAULT_NUM_SMS;
+                size_t const slots
+                    = size_t(sms * plan.ctasPerSm * kKIVI_DECODE_VARIANTS[plan.decodeVariant].waves);
+                size_t const c = roundUp256(slots / 2 * sizeof(int32_t));
+                counters = c > counters ? c : counters;
+            }
         }
-        int64_t const splits = fixedWidth ? plan.numSplits : target;
-        size_t const bytes = splits > 1 ? partialBytesOf(s, splits) : 0;
-        partial = bytes > partial ? bytes : partial;
     }
-    return roundUp256(size_t(maxStep.batch) * kSEQ_INFO_INTS * sizeof(int32_t)) + partial;
+    return roundUp256(size_t(maxStep.batch) * kSEQ_INFO_INTS * sizeof(int32_t)) + partial + counters;
 }
 
 int32_t kiviCheckArch(KiviStepParams const& p, int32_t smVersion, char* msg, size_t msgLen)
