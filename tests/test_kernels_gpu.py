@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from trtllm_kivi.cuda import _abi, mma_model
+from trtllm_kivi.cuda.variants import VARIANTS
 from trtllm_kivi.format import KiviConfig
 from trtllm_kivi.reference import KiviBuffers, kivi_attention_
 from trtllm_kivi.reference.attention import append as ref_append
@@ -105,8 +106,10 @@ class Pair:
         self.gpu = KiviBuffers(*(t.cuda() for t in self.ref))
 
     def step(self, lib: _abi.KiviLibrary, chunks: list[int], *, max_seq_len: int = 0,
-             impl: int = _abi.ATTN_AUTO, max_chunk_len: int | None = None) -> None:
-        """One step on both sides; compare out (sentinel-filled) and every buffer. impl: the attention kernel."""
+             impl: int = _abi.ATTN_AUTO, max_chunk_len: int | None = None, variant: int = 0) -> None:
+        """One step on both sides; compare out (sentinel-filled) and every buffer. impl: the attention kernel;
+        variant: the decode variant (0 = auto); max_chunk_len None = max(chunks) (1 for decode steps: the fused
+        variants' decode mode)."""
         from trtllm_kivi.cuda.ops import kivi_attention_cuda_
         t = sum(chunks)
         q, k, v = self.randn(t, self.h, self.d), self.randn(t, self.hkv, self.d), self.randn(t, self.hkv, self.d)
@@ -120,9 +123,9 @@ class Pair:
                              self.table.cuda(), self.gpu, self.cfg,
                              max_chunk_len=max(chunks) if max_chunk_len is None else max_chunk_len,
                              max_seq_len=max_seq_len,
-                             error_flag=flag, out=out, attention_impl=impl, lib=lib)
+                             error_flag=flag, out=out, attention_impl=impl, lib=lib, decode_variant=variant)
         torch.cuda.synchronize()
-        what = f"chunks {chunks} after {self.lens} (attention_impl {impl})"
+        what = f"chunks {chunks} after {self.lens} (attention_impl {impl}, decode variant {variant})"
         assert int(flag.item()) == 0, f"error flag {int(flag.item())} for {what}"
         assert_attention_close(out, want, tol, what)
         assert_buffers_equal(self.gpu, self.ref, what)
@@ -131,6 +134,10 @@ class Pair:
 
 # The default (auto = mma.sync) kernel; the explicit selector must give the same kernel.
 IMPLS = [pytest.param(_abi.ATTN_AUTO, id="auto")]
+# Every decode variant (kiviDecodeVariants.h; trtllm_kivi/cuda/variants.py): 0 = auto, 1 = baseline, 2.. = the split
+# kernel's design points. Variants not compiled for every combination run at the headline one (D 128, 2/2 bits).
+VARIANT_IDS = [pytest.param(v.id, id=v.name) for v in VARIANTS]
+ALL_COMBO_VARIANTS = [pytest.param(v.id, id=v.name) for v in VARIANTS if v.all_combos]
 
 CONFIGS = [  # (k_bits, v_bits, G, R, D, H, Hkv, act dtype, scale dtype)
     (2, 2, 32, 32, 128, 32, 8, torch.float16, "float16"),
@@ -153,6 +160,40 @@ def test_decode_loop_matches_reference(lib, kb, vb, g, r, d, h, hkv, dtype, sdt,
     pair.step(lib, [20, 0, 3], impl=impl)
     for _ in range(70):
         pair.step(lib, [1, 1, 1], impl=impl)
+
+
+@pytest.mark.parametrize("variant", VARIANT_IDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_variant_decode_loop(lib, variant, dtype):
+    """Every decode variant at the headline combination (head_dim 128, 2-bit K and V, GQA 4, G 32, R 32): a ragged
+    prefill, then 40 pure decode steps (max_chunk_len 1: the fused variants' decode mode, the attention kernel
+    writing the window rows, the fused merge) crossing window wraps and flushes of three sequences with different
+    histories (one long enough for several splits), a zero-length chunk in between; out and the whole cache against
+    the reference after every step."""
+    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=32, block_size=128)
+    pair = Pair(cfg, 32, 8, 128, dtype, batch=3, mbs=12, seed=variant)
+    pair.fill_history([1300, 0, 150])
+    pair.step(lib, [33, 70, 2], variant=variant)
+    for i in range(40):
+        pair.step(lib, [1, 1, 0 if i == 7 else 1], variant=variant)
+
+
+@pytest.mark.parametrize("variant", ALL_COMBO_VARIANTS)
+@pytest.mark.parametrize("kb, vb, g, d, h, hkv, dtype, sdt, sinks", [
+    (4, 8, 64, 64, 12, 4, torch.bfloat16, "bfloat16", 0),
+    (8, 2, 32, 128, 32, 2, torch.float16, "float32", 4),  # GQA 16: two tiles per sequence
+    (2, 4, 128, 64, 3, 1, torch.float16, "float16", 0),
+])
+def test_all_combination_variants_decode_loop(lib, variant, kb, vb, g, d, h, hkv, dtype, sdt, sinks):
+    """The variants compiled for every combination, away from the headline one: a prefill, then decode steps
+    (decode mode for the fused ones) across flushes; several splits for the long history."""
+    cfg = KiviConfig(k_bits=kb, v_bits=vb, group_size=g, residual_length=32, block_size=128, scale_dtype=sdt,
+                     sink_tokens=sinks)
+    pair = Pair(cfg, h, hkv, d, dtype, batch=2, mbs=10, seed=kb + vb)
+    pair.fill_history([900, 0])
+    pair.step(lib, [1, 40], variant=variant)
+    for _ in range(3 * g // 2):
+        pair.step(lib, [1, 1], variant=variant)
 
 
 @pytest.mark.parametrize("sinks, kb, vb, dtype", [(4, 2, 2, torch.float16), (5, 4, 2, torch.bfloat16),
@@ -184,18 +225,23 @@ def test_batch_sweep_around_boundaries(lib, batch, d, gqa, dtype, impl):
     pair.step(lib, [(i % 5) for i in range(batch)], impl=impl)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("lens", [[1], [4096, 33], [16_000, 1, 9000], [40_000, 40_001]],
-                         ids=lambda lens: "+".join(map(str, lens)))
-def test_long_contexts(lib, lens, impl):
-    """Long histories (up to 40K tokens): many splits and the combine, decode steps, GQA 4, head_dim 128."""
+LONG = [[1], [4096, 33], [16_000, 1, 9000], [40_000, 40_001]]
+
+
+@pytest.mark.parametrize("variant, lens", [(0, lens) for lens in LONG]
+                         + [(v.id, LONG[1]) for v in VARIANTS[1:]],
+                         ids=lambda x: VARIANTS[x].name if isinstance(x, int) else "+".join(map(str, x)))
+def test_long_contexts(lib, lens, variant):
+    """Long histories (up to 40K tokens): many splits and their merge, decode steps (decode mode for the fused
+    variants, then the unhinted chunk bound), GQA 4, head_dim 128; every variant at 4096 + 33 tokens."""
     cfg = KiviConfig()
     batch = len(lens)
     mbs = math.ceil(max(lens) / cfg.block_size) + 2
     pair = Pair(cfg, 32, 8, 128, torch.float16, batch=batch, mbs=mbs)
     pair.fill_history(lens)
-    pair.step(lib, [1] * batch, impl=impl)
-    pair.step(lib, [1] * batch, max_seq_len=max(lens) + 2, impl=impl)
+    pair.step(lib, [1] * batch, variant=variant)
+    pair.step(lib, [1] * batch, max_seq_len=max(lens) + 2, variant=variant)
+    pair.step(lib, [1] * batch, max_chunk_len=0, variant=variant)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -248,25 +294,38 @@ def test_close_to_full_precision_at_8_bits(lib):
     assert (got - want).abs().max().item() < 0.02
 
 
-def test_device_side_overflow_sets_the_flag(lib):
-    """past_len + chunk_len past the block table's capacity (device lengths, no host sync in the launcher): the
-    sequence is skipped (zero output, cache untouched), the flag says kKIVI_ERR_CAPACITY, the others are exact."""
+@pytest.mark.parametrize("variant, max_chunk_len", [(0, 1), (0, 0), (1, 0), (6, 1)],
+                         ids=["auto-decode-mode", "auto", "baseline", "split-unfused"])
+@pytest.mark.parametrize("bad", ["capacity", "block_id"])
+def test_device_side_overflow_sets_the_flag(lib, bad, variant, max_chunk_len):
+    """A sequence past the block table's capacity, or with a used block id past the pool (device values, no host
+    sync in the launcher; in decode mode the decode kernel checks the lengths itself and takes the block-id verdict
+    from the prepare kernel before writing): the sequence is skipped (zero output, cache untouched), the flag names
+    the check, the other sequence is exact."""
     from trtllm_kivi.cuda.ops import kivi_attention_cuda_
     cfg = KiviConfig(residual_length=32)
-    pair = Pair(cfg, 8, 2, 64, torch.float16, batch=2, mbs=2)
-    pair.fill_history([100, 40])
+    pair = Pair(cfg, 8, 2, 64 if variant != 1 else 128, torch.float16, batch=2, mbs=2)
+    pair.fill_history([100, 300 if bad == "block_id" else 40])
+    d = pair.d
     before = KiviBuffers(*(t.clone() for t in pair.gpu))
-    q, k, v = pair.randn(2, 8, 64), pair.randn(2, 2, 64), pair.randn(2, 2, 64)
-    past = torch.tensor([100, 5000], dtype=torch.int32)  # sequence 1 claims 5000 tokens: capacity 2 x 128 + 63
+    q, k, v = pair.randn(2, 8, d), pair.randn(2, 2, d), pair.randn(2, 2, d)
+    table = pair.table.clone()
+    if bad == "capacity":  # sequence 1 claims 5000 tokens: capacity 2 x 128 + 63
+        past = torch.tensor([100, 5000], dtype=torch.int32)
+    else:  # sequence 1's second block (used: n_q(301) = 256 > 128) points past the pool
+        past = torch.tensor([100, 300], dtype=torch.int32)
+        table[1, 1] = before.k_codes.shape[0] + 7
     chunk = torch.tensor([1, 1], dtype=torch.int32)
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     out = kivi_attention_cuda_(q.cuda(), k.cuda(), v.cuda(), pair.slots.cuda(), past.cuda(), chunk.cuda(),
-                               pair.table.cuda(), pair.gpu, cfg, error_flag=flag, check=False, lib=lib)
+                               table.cuda(), pair.gpu, cfg, error_flag=flag, check=False, lib=lib,
+                               max_chunk_len=max_chunk_len, decode_variant=variant)
     torch.cuda.synchronize()
-    assert int(flag.item()) == _abi.ERR_CAPACITY
+    assert int(flag.item()) == (_abi.ERR_CAPACITY if bad == "capacity" else _abi.ERR_BLOCK_ID)
     assert torch.all(out[1].cpu() == 0)
     slot1 = int(pair.slots[1])
-    assert torch.equal(_bits(pair.gpu.k_window[slot1]), _bits(before.k_window[slot1]))
+    for a, b in ((pair.gpu.k_window, before.k_window), (pair.gpu.v_window, before.v_window)):
+        assert torch.equal(_bits(a[slot1]), _bits(b[slot1]))
     args = (q[:1], k[:1], v[:1], pair.slots[:1], past[:1], chunk[:1], pair.table[:1])
     tol = mma_model.step_tolerance(pair.ref, cfg, *args)
     want = kivi_attention_(*args, pair.ref, cfg)
@@ -291,26 +350,31 @@ def test_launcher_rejects_unsupported_values(lib):
                              lib=lib)
 
 
+@pytest.mark.parametrize("variant", [0, 1, 6], ids=["auto", "baseline", "split-unfused"])
+@pytest.mark.parametrize("chunks", [[1, 3], [1, 1]], ids=["mixed", "decode"])
 @pytest.mark.parametrize("max_seq_len", [200, 0], ids=["one_split", "many_splits"])
-def test_rows_no_sequence_covers_are_zero(lib, max_seq_len):
+def test_rows_no_sequence_covers_are_zero(lib, max_seq_len, chunks, variant):
     """q has more rows than sum(chunk_len) (e.g. a padded step): the rows past the last chunk belong to no sequence
-    and must come back zero, with one split (kiviZeroUncoveredRowsKernel) and with many (kiviCombineKernel). The
-    output starts NaN-filled; the covered rows match the reference. max_seq_len 200 leaves a single split; 0 sizes
-    the splits for the block table's capacity (many for this short step)."""
+    and must come back zero, with one split (kiviZeroUncoveredRowsKernel; fused variants: the decode kernel) and with
+    many (kiviCombineKernel; fused variants: the decode kernel again, decode mode for one-token chunks). The output
+    starts NaN-filled; the covered rows match the reference. max_seq_len 200 leaves a single split; 0 sizes the
+    splits for the block table's capacity (many for this short step)."""
     from trtllm_kivi.cuda.ops import make_params, run_step
     cfg = KiviConfig(residual_length=32)
-    pair = Pair(cfg, 8, 2, 64, torch.float16, batch=2, mbs=8)
+    pair = Pair(cfg, 8, 2, 64 if variant != 1 else 128, torch.float16, batch=2, mbs=8)
     pair.fill_history([100, 40])
-    chunks, extra = [1, 3], 5
+    extra = 5
     t = sum(chunks)
-    q, k, v = pair.randn(t + extra, 8, 64), pair.randn(t + extra, 2, 64), pair.randn(t + extra, 2, 64)
+    d = pair.d
+    q, k, v = pair.randn(t + extra, 8, d), pair.randn(t + extra, 2, d), pair.randn(t + extra, 2, d)
     past, chunk = torch.tensor(pair.lens).int(), torch.tensor(chunks).int()
     tol = mma_model.step_tolerance(pair.ref, cfg, q[:t], k[:t], v[:t], pair.slots, past, chunk, pair.table)
     want = kivi_attention_(q[:t], k[:t], v[:t], pair.slots, past, chunk, pair.table, pair.ref, cfg)
-    out = torch.full((t + extra, 8, 64), float("nan"), dtype=torch.float16, device="cuda")
+    out = torch.full((t + extra, 8, d), float("nan"), dtype=torch.float16, device="cuda")
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     dev = [x.cuda() for x in (q, k, v, pair.slots, past, chunk, pair.table)]
-    params = make_params(*dev[:3], out, *dev[3:], pair.gpu, cfg, max_seq_len=max_seq_len, error_flag=flag)
+    params = make_params(*dev[:3], out, *dev[3:], pair.gpu, cfg, max_seq_len=max_seq_len, error_flag=flag,
+                         max_chunk_len=max(chunks), decode_variant=variant)
     plan = lib.launch_plan(params)
     assert (plan["num_splits"] == 1) == (max_seq_len == 200), plan
     run_step(lib, params, torch.device("cuda"))
@@ -335,8 +399,9 @@ def test_legacy_kernels_are_refused(lib):
 
 
 def test_occupancy_query_and_whole_waves(lib):
-    """kiviCAttentionCtasPerSm reports >= 1 resident CTA per SM for every bit combination; the decode plan at
-    Llama-3-8B shapes then fills one wave (tiles x KV heads x splits <= SMs x CTAs/SM)."""
+    """kiviCAttentionCtasPerSm reports >= 1 resident CTA per SM for every bit combination (the variant auto runs); the
+    decode plan at Llama-3-8B shapes then fills the variant's waves (tiles x KV heads x splits <= waves x SMs x
+    CTAs/SM); and the designed occupancy of the default split kernel at the headline combination is the real one."""
     from trtllm_kivi.cuda import launch
     from trtllm_kivi.cuda.ops import make_params
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -350,7 +415,9 @@ def test_occupancy_query_and_whole_waves(lib):
             cps = lib.attention_ctas_per_sm(p)
             assert cps >= 1, (kb, vb, cps)
             plan = launch.launch_plan(cfg, 32, 8, 128, 8, 8, 300, 1, 32768, sms, cps)
-            assert plan.num_tiles * 8 * plan.num_splits <= sms * cps
+            assert plan.num_tiles * 8 * plan.num_splits <= sms * cps * VARIANTS[plan.decode_variant].waves
+            if kb == vb == 2:
+                assert cps == launch.launch_plan(cfg, 32, 8, 128, 8, 8, 300, 1, 32768, sms).ctas_per_sm == 3
 
 
 @pytest.mark.parametrize("gqa, dtype", [(4, torch.float16), (3, torch.bfloat16), (1, torch.float16)])

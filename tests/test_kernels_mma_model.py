@@ -1,4 +1,5 @@
-"""The lane-level emulation of the default decode kernel (trtllm_kivi/cuda/mma_model.py) against the reference.
+"""The lane-level emulations of the decode kernels against the reference: the split kernel of decode variants >= 2
+(trtllm_kivi/cuda/split_model.py, the default) and the baseline kernel (mma_model.py, variant 1).
 
 Oracles: trtllm_kivi.reference (pack_fragments / quantize, kivi_attention_, append) and the PTX ISA's mma.m16n8k16
 fragment layouts (written out in fragments.a_coord / b_coord / c_coord).
@@ -7,6 +8,9 @@ fragment layouts (written out in fragments.a_coord / b_coord / c_coord).
     channels, pairs along tokens) -- for every bit width, both MMA types, head_dim 64 and 128;
   - movmatrix: the C fragment of S moved to the B fragment of P^T is P itself;
   - stores: bit-exact (model.append vs reference append), after every step;
+  - the split kernel's key assignment: every quantized chunk and full-precision tile exactly once over its splits and
+    warps; its decode mode (pure decode steps: sequences found without the prepare kernel, the last CTA's merge) over
+    decode loops crossing window and flush boundaries, per variant;
   - attention: within mma_model.attention_tolerance, a bound derived from the folded rounding (q' = rnd(q s 2^b),
     P'' = rnd(p s 2^b), the reference rounding dequantized K/V to the activation dtype, fp32 sums; see its
     docstring). The bound is computed per element from the data, so it is tight where the data is small; a test
@@ -19,9 +23,14 @@ import numpy as np
 import pytest
 import torch
 
-from trtllm_kivi.cuda import fragments, mma_model, model
+from trtllm_kivi.cuda import fragments, mma_model, model, split_model
+from trtllm_kivi.cuda.variants import VARIANTS
 from trtllm_kivi.format import KiviConfig, fragment_words_per_lane
 from trtllm_kivi.reference import KiviBuffers, kivi_attention_, pack_fragments
+
+BASELINE, SPLIT = 1, 2  # decode variants (kiviDecodeVariants.h): the baseline kernel, the split kernel's default
+ONE_WAVE, UNFUSED = 5, 6  # the split kernel with a one-wave split; with separate prepare / combine / append kernels
+assert VARIANTS[ONE_WAVE].waves == 1 and not VARIANTS[UNFUSED].fused
 
 
 @pytest.mark.parametrize("act", [torch.float16, torch.bfloat16])
@@ -51,7 +60,7 @@ def test_movmatrix_moves_p_into_the_b_fragment():
 
 
 def run_steps(cfg, h, hkv, d, dtype, steps, *, num_sms=0, max_seq_len=0, seed=0, num_blocks=48, mbs=8,
-              history=None):
+              history=None, decode_variant=0, max_chunk_len=0):
     torch.manual_seed(seed)
     batch = len(steps[0])
     ref = KiviBuffers.allocate(cfg, hkv, d, num_blocks, batch + 1, dtype)
@@ -73,8 +82,10 @@ def run_steps(cfg, h, hkv, d, dtype, steps, *, num_sms=0, max_seq_len=0, seed=0,
         before = ref.clone()
         out_ref = kivi_attention_(q, k, v, slots, past, chunk, table, ref, cfg)
         out, plan, flag = model.attention(q, k, v, slots, past, chunk, table, mod, cfg, num_sms=num_sms,
-                                          max_seq_len=max_seq_len)
-        flag |= model.append(k, v, slots, past, chunk, table, mod, cfg, max_seq_len=max_seq_len)
+                                          max_seq_len=max_seq_len, max_chunk_len=max_chunk_len,
+                                          decode_variant=decode_variant)
+        flag |= model.append(k, v, slots, past, chunk, table, mod, cfg, max_seq_len=max_seq_len,
+                             max_chunk_len=max_chunk_len)
         assert flag == 0
         tol = mma_model.step_tolerance(before, cfg, q, k, v, slots, past, chunk, table)
         err = (out.float() - out_ref.float()).abs()
@@ -87,21 +98,24 @@ def run_steps(cfg, h, hkv, d, dtype, steps, *, num_sms=0, max_seq_len=0, seed=0,
     return plans, worst
 
 
-@pytest.mark.parametrize("kb, vb, g, d, h, hkv, dtype, sdt", [
-    (2, 2, 32, 128, 8, 2, torch.float16, "float16"),
-    (4, 8, 32, 64, 3, 1, torch.bfloat16, "float16"),
-    (8, 2, 64, 128, 8, 1, torch.float16, "bfloat16"),
-    (2, 4, 32, 64, 4, 4, torch.bfloat16, "float32"),
-    (4, 4, 128, 64, 16, 1, torch.float16, "float16"),
-    (8, 8, 32, 64, 2, 2, torch.bfloat16, "float16"),
+@pytest.mark.parametrize("kb, vb, g, d, h, hkv, dtype, sdt, variant", [
+    (2, 2, 32, 128, 8, 2, torch.float16, "float16", BASELINE),
+    (2, 2, 32, 128, 8, 2, torch.float16, "float16", SPLIT),
+    (4, 8, 32, 64, 3, 1, torch.bfloat16, "float16", SPLIT),
+    (8, 2, 64, 128, 8, 1, torch.float16, "bfloat16", SPLIT),
+    (2, 4, 32, 64, 4, 4, torch.bfloat16, "float32", SPLIT),
+    (4, 4, 128, 64, 16, 1, torch.float16, "float16", SPLIT),
+    (8, 8, 32, 64, 2, 2, torch.bfloat16, "float16", SPLIT),
+    (8, 8, 32, 64, 2, 2, torch.bfloat16, "float16", UNFUSED),
 ])
-def test_emulation_step_matches_reference(kb, vb, g, d, h, hkv, dtype, sdt):
-    """Ragged prefill/decode mix crossing window and group boundaries; GQA 4/3/8/16, MHA; one split and many."""
+def test_emulation_step_matches_reference(kb, vb, g, d, h, hkv, dtype, sdt, variant):
+    """Ragged prefill/decode mix crossing window and group boundaries; GQA 4/3/8/16, MHA; one split and many (the
+    split kernel's splits merged by kiviCombineKernel over every split, next to the prefill kernel's sequences)."""
     cfg = KiviConfig(k_bits=kb, v_bits=vb, group_size=g, residual_length=32, block_size=128, scale_dtype=sdt)
     steps = [[40, 3, 0], [1, 70, 7], [1, 1, 33]]
-    few, _ = run_steps(cfg, h, hkv, d, dtype, steps, num_sms=1)
-    assert any(p.num_splits == 1 for p in few)
-    many, _ = run_steps(cfg, h, hkv, d, dtype, steps, num_sms=1000)
+    few, _ = run_steps(cfg, h, hkv, d, dtype, steps, num_sms=1, decode_variant=variant)
+    assert any(p.num_splits == 1 for p in few) and all(p.decode_variant == variant for p in few)
+    many, _ = run_steps(cfg, h, hkv, d, dtype, steps, num_sms=1000, decode_variant=variant)
     assert any(p.num_splits > 2 for p in many)
 
 
@@ -117,12 +131,56 @@ def test_emulation_with_sink_tokens(sinks, kb, vb, dtype):
     assert any(p.num_splits > 2 for p in many)
 
 
-def test_emulation_long_history_splits_and_warps():
+@pytest.mark.parametrize("variant", [BASELINE, SPLIT])
+def test_emulation_long_history_splits_and_warps(variant):
     """700- and 1100-token histories: every warp gets several chunks, several splits per query are merged."""
     cfg = KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=32, block_size=128)
     plans, worst = run_steps(cfg, 8, 2, 128, torch.float16, [[1, 1], [2, 1]], num_sms=8, history=[1100, 700],
-                             num_blocks=24, mbs=10)
+                             num_blocks=24, mbs=10, decode_variant=variant)
     assert plans[0].num_splits > 1 and worst < 1.0
+
+
+@pytest.mark.parametrize("variant, h, hkv, sinks, sms", [
+    (SPLIT, 8, 2, 0, 1000),  # decode mode, fused merge of many splits
+    (SPLIT, 32, 2, 4, 1000),  # GQA 16: two tiles per sequence; sinks
+    (SPLIT, 8, 2, 4, 1),  # one split: the CTA writes out; every full-precision tile of a warp through one buffer
+    (ONE_WAVE, 4, 1, 0, 1000),
+    (UNFUSED, 8, 2, 0, 1000),  # separate prepare / combine kernels, no decode mode
+])
+def test_emulation_decode_loop_per_variant(variant, h, hkv, sinks, sms):
+    """Pure decode steps (max_chunk_len 1) of three sequences: each crosses a flush point (R = 32, G = 32: past
+    lengths S + 159, S + 60, S + 285 flush at steps 1, 5 and 3) and its window ring wraps; full-precision tiles land
+    in several splits; a zero-length chunk in between (the append skips nothing it should write: stores bit-exact)."""
+    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=32, block_size=64, sink_tokens=sinks)
+    steps = [[1, 1, 1]] * 3 + [[1, 0, 1]] + [[1, 1, 1]] * 2
+    plans, worst = run_steps(cfg, h, hkv, 64, torch.float16, steps, num_sms=sms,
+                             history=[sinks + 159, sinks + 60, sinks + 285], num_blocks=48, mbs=16,
+                             decode_variant=variant, max_chunk_len=1)
+    fused = VARIANTS[variant].fused
+    assert all(p.decode_mode == int(fused) and p.decode_variant == variant for p in plans)
+    assert all(p.fused_combine == int(fused and p.num_splits > 1) for p in plans)
+    assert (min(p.num_splits for p in plans) >= 4) == (sms > 1)
+    assert worst < 1.0
+
+
+def test_split_kernel_assigns_every_key_once():
+    """warp_work (kiviDecodeSplit.cuh's assignment): over all splits and warps of a CTA's tile, every quantized
+    32-key chunk and every 16-key full-precision tile is taken exactly once, the full-precision tiles by warps 2
+    and 3 only."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        nq = 32 * int(rng.integers(0, 400))
+        key_end = nq + int(rng.integers(1, 300))
+        ns = int(rng.integers(1, 40))
+        chunks, tiles = [], []
+        for split in range(ns):
+            work = split_model.warp_work(nq, key_end, split, ns)
+            chunks += [c for r, _ in work for c in r]
+            for w, (_, t) in enumerate(work):
+                assert not t or w >= 2
+                tiles += t
+        assert sorted(chunks) == list(range(nq // 32))
+        assert sorted(tiles) == list(range(-(-(key_end - nq) // 16)))
 
 
 def test_tolerance_catches_a_wrong_fragment(monkeypatch):

@@ -3,10 +3,11 @@
 - `_abi`: the C ABI (library finder/loader, KiviStepParams mirror); standard library only.
 - `ops`: torch wrappers (`kivi_attention_cuda_`, same contract as reference.kivi_attention_).
 - CPU models of the kernels, tested against the reference without a GPU (imports point down this list):
-  `model` (the step: attention, then the append kernel's flush index math and arithmetic) -> `mma_model` (lane-level
-  emulation of the decode attention kernel, its tolerance) -> `prefill_model` (the prefill attention kernel) ->
-  `fragments` (MMA fragment layouts, the magic-number code conversion, the tensor-core product) and `launch` (the
-  launch plan and the prepare kernel).
+  `model` (the step: attention, then the append kernel's flush index math and arithmetic) -> `split_model`
+  (lane-level emulation of the split decode kernel, decode variants >= 2) -> `mma_model` (the baseline decode kernel,
+  the tolerance both are checked with) -> `prefill_model` (the prefill attention kernel) -> `fragments` (MMA fragment
+  layouts, the magic-number code conversion, the tensor-core product) and `launch` (the launch plan and the prepare
+  kernel) -> `variants` (the decode variants and the plan table).
 """
 
 from ._abi import KiviLibrary, KiviStepParams, find_library, load_library

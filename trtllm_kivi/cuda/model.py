@@ -2,15 +2,16 @@
 
 It runs the same work split as the GPU code, CTA by CTA, in numpy/torch on the CPU:
   - the launch plan and the prepare kernel: launch.py (launch_plan, prepare);
-  - attention: the mma.sync decode kernel, emulated lane by lane in trtllm_kivi/cuda/mma_model.py (folded scales,
+  - attention, per decode variant (variants.py): the split kernel (split_model.py: staged full-precision tiles spread
+    over splits and warps, the fused merge) or the baseline kernel (mma_model.py), both lane by lane (folded scales,
     warps and splits, the combine; fragments and the magic-number conversion in fragments.py), and for sequences of
-    >= 64 query rows the prefill kernel (trtllm_kivi/cuda/prefill_model.py: dequantized tiles, FlashAttention-2 over 64 rows);
+    >= 64 query rows the prefill kernel (prefill_model.py: dequantized tiles, FlashAttention-2 over 64 rows);
   - append: kiviAppendKernel (which CTA flushes which G-group, from where, into which block/row/word, with the
     kernel's fp32 arithmetic: codes by the reciprocal fast path where it provably equals the IEEE division, the
     division elsewhere, rint half-to-even).
 Format v2 sinks (format.py), as the kernels keep them: sink rows are a full-precision key source (window rows
 [0, S)), store index j is token S + j; the attention kernel reads the store, then the sinks, then the ring and the
-chunk (mma_model). Rotation never reaches the op.
+chunk. Rotation never reaches the op.
 Tested against trtllm_kivi.reference (tests/test_kernels_model.py), so a GPU run only has to confirm the
 CUDA-specific parts (indexing in registers/shared memory, synchronization).
 """
@@ -25,9 +26,10 @@ import torch
 from ..format import KiviConfig, codes_per_word
 from ..reference.attention import KiviBuffers
 from ..reference.quant import pack_fragments, torch_dtype
-from . import mma_model
+from . import mma_model, split_model
 from .fragments import round_to
 from .launch import LaunchPlan, launch_plan, prepare
+from .variants import VARIANTS
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -35,13 +37,22 @@ from .launch import LaunchPlan, launch_plan, prepare
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tensor, past_len: torch.Tensor,
               chunk_len: torch.Tensor, block_table: torch.Tensor, buffers: KiviBuffers, cfg: KiviConfig,
-              max_chunk_len: int = 0, max_seq_len: int = 0, num_sms: int = 0, ctas_per_sm: int = 0
-              ) -> tuple[torch.Tensor, LaunchPlan, int]:
-    """The attend half of a step as the default (mma.sync) kernel computes it: trtllm_kivi/cuda/mma_model.py, the
-    lane-level emulation of kiviDecodeMma.cuh. -> (out [tokens, H, D] in q's dtype, plan, error bits)."""
-    return mma_model.attention(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers, cfg,
-                               max_chunk_len=max_chunk_len, max_seq_len=max_seq_len, num_sms=num_sms,
-                               ctas_per_sm=ctas_per_sm)
+              max_chunk_len: int = 0, max_seq_len: int = 0, num_sms: int = 0, ctas_per_sm: int = 0,
+              decode_variant: int = 0, sm_version: int = 90) -> tuple[torch.Tensor, LaunchPlan, int]:
+    """The attend half of a step as decode variant `decode_variant` (0 = auto, resolved for sm_version as the
+    launcher does) computes it: the baseline kernel (mma_model) or the split kernel (split_model), lane by lane.
+    -> (out [tokens, H, D] in q's dtype, plan, error bits)."""
+    plan = launch_plan(cfg, q.shape[1], buffers.k_codes.shape[1], q.shape[2], slot_ids.shape[0], q.shape[0],
+                       block_table.shape[1], max_chunk_len, max_seq_len, num_sms, ctas_per_sm,
+                       decode_variant=decode_variant, sm_version=sm_version)
+    if VARIANTS[plan.decode_variant].kernel == "baseline":
+        return mma_model.attention(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers, cfg,
+                                   max_chunk_len=max_chunk_len, max_seq_len=max_seq_len, num_sms=num_sms,
+                                   ctas_per_sm=ctas_per_sm)
+    return split_model.attention(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers, cfg,
+                                 max_chunk_len=max_chunk_len, max_seq_len=max_seq_len, num_sms=num_sms,
+                                 ctas_per_sm=ctas_per_sm, decode_variant=plan.decode_variant,
+                                 sm_version=sm_version)
 
 
 # ---------------------------------------------------------------------------------------------- append
@@ -156,6 +167,7 @@ def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tens
          **plan_kwargs: int) -> tuple[torch.Tensor, int]:
     """invokeKiviStep on the CPU: attention, then append (in place) -> (out, error bits)."""
     out, _, flag = attention(q, k, v, slot_ids, past_len, chunk_len, block_table, buffers, cfg, **plan_kwargs)
-    plan_kwargs.pop("num_sms", None)
+    for name in ("num_sms", "ctas_per_sm", "decode_variant", "sm_version"):
+        plan_kwargs.pop(name, None)
     flag |= append(k, v, slot_ids, past_len, chunk_len, block_table, buffers, cfg, **plan_kwargs)
     return out, flag

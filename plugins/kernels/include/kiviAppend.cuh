@@ -575,14 +575,17 @@ __device__ __forceinline__ void appendSequence(KiviStepParams const& p, SeqInfo 
 }
 
 //! Grid (batch, 1 + chunkGroups, Hkv), dynamic shared memory appendSmemBytes<T, kD>(G); see appendSequence.
+//! A sequence whose window row the attention kernel of this step already wrote (SeqInfo::windowWritten: a valid
+//! one-token chunk that flushes nothing, kiviDecodeSplit.cuh) is left alone.
 template <typename T, int kD>
 __global__ void __launch_bounds__(kAPPEND_THREADS, 4) kiviAppendKernel(KiviStepParams p, SeqInfo const* seqInfo)
 {
     extern __shared__ __align__(16) char appendSmem[];
+    gridDependencyWait(); // a programmatic dependent of the attention kernel (sm_90): its reads come first
     int32_t const b = blockIdx.x;
     int32_t const h = blockIdx.z;
     SeqInfo const info = seqInfo[b];
-    if (!info.valid)
+    if (!info.valid || info.windowWritten)
     {
         return;
     }

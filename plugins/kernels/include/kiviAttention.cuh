@@ -424,10 +424,12 @@ __global__ void __launch_bounds__(kATTN_THREADS, kATTN_MIN_CTAS_PER_SM) kiviAtte
 }
 
 //! Merge the split partials of each (token, head): one warp per pair. Rows of invalid sequences (and rows no
-//! sequence covers) get zeros.
+//! sequence covers) get zeros. allSplitsForDecodeRows: the decode-kernel rows (sequences with decode tiles) merge
+//! every split (the split kernel, kiviDecodeSplit.cuh, spreads full-precision keys over all splits and writes every
+//! split's partial); otherwise a row merges the splits holding keys 0..pos (contiguous key ranges).
 template <typename T, int kD>
-__global__ void __launch_bounds__(kATTN_THREADS) kiviCombineKernel(
-    KiviStepParams p, KiviLaunchPlan plan, SeqInfo const* seqInfo, float const* partialAcc, float const* partialMl)
+__global__ void __launch_bounds__(kATTN_THREADS) kiviCombineKernel(KiviStepParams p, KiviLaunchPlan plan,
+    SeqInfo const* seqInfo, float const* partialAcc, float const* partialMl, int32_t allSplitsForDecodeRows)
 {
     constexpr int32_t kCH = kD / 32;
     int32_t const lane = threadIdx.x % 32;
@@ -451,7 +453,9 @@ __global__ void __launch_bounds__(kATTN_THREADS) kiviCombineKernel(
         return;
     }
     int64_t const pos = int64_t(p.pastLen[b]) + (token - info.tokenOffset);
-    int32_t const used = static_cast<int32_t>(pos / info.splitLen) + 1; // splits holding keys 0..pos
+    int32_t const used = allSplitsForDecodeRows && info.tileCount > 0
+        ? plan.numSplits
+        : static_cast<int32_t>(pos / info.splitLen) + 1; // splits holding keys 0..pos
     float const* ml = partialMl + pair * plan.numSplits * 2;
     float mMax = -INFINITY;
     for (int32_t y = 0; y < used; ++y)

@@ -159,7 +159,8 @@ struct SeqInfo
     int32_t splitLen;    //!< keys per split of this sequence: its length spread over all numSplits (see KiviLaunchPlan)
     int32_t prefillTileOffset; //!< first prefill-kernel tile of this sequence
     int32_t prefillTileCount;  //!< ceil(rows x groupHeads / kPREFILL_TILE_ROWS) for a prefill sequence, else 0
-    int32_t spare;
+    int32_t windowWritten;     //!< 1: the attention kernel writes this sequence's window row (plan.windowByAttention,
+                               //!< a valid one-token chunk that flushes nothing); the append kernel skips it
 };
 
 static_assert(sizeof(SeqInfo) == kSEQ_INFO_INTS * sizeof(int32_t), "SeqInfo layout");
@@ -183,6 +184,24 @@ __device__ __forceinline__ int64_t numQuantizedDev(
 __device__ __forceinline__ int32_t windowRowDev(int32_t t, int32_t sinkTokens, int32_t w)
 {
     return t < sinkTokens ? t : sinkTokens + (t - sinkTokens) % w;
+}
+
+//! Programmatic dependent launch (sm_90): wait until the preceding kernel of the stream has completed and its
+//! writes are visible; a no-op when the kernel was not launched as a dependent (and on older archs, where the
+//! launcher never asks for it).
+__device__ __forceinline__ void gridDependencyWait()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+//! Let the dependent kernel of the stream start now (its CTAs wait with gridDependencyWait where they need us).
+__device__ __forceinline__ void gridDependencyLaunch()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ float warpMax(float x)

@@ -13,11 +13,11 @@ namespace kernels
 
 // Instantiated in src/instantiations/kiviKernels_d<D>_<dtype>.cu.
 #define KIVI_EXTERN_LAUNCHERS(T, D)                                                                                    \
-    extern template cudaError_t launchKiviAttention<T, D>(                                                             \
-        KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*, float*, float*, cudaStream_t);                   \
+    extern template cudaError_t launchKiviAttention<T, D>(KiviStepParams const&, KiviLaunchPlan const&,               \
+        SeqInfo const*, float*, float*, int32_t*, bool, cudaStream_t);                                                 \
     extern template cudaError_t launchKiviAppend<T, D>(                                                                \
-        KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*, cudaStream_t);                                   \
-    extern template int32_t mmaCtasPerSm<T, D>(KiviStepParams const&);
+        KiviStepParams const&, KiviLaunchPlan const&, SeqInfo const*, bool, cudaStream_t);                             \
+    extern template int32_t mmaCtasPerSm<T, D>(KiviStepParams const&, int32_t);
 KIVI_EXTERN_LAUNCHERS(half, 64)
 KIVI_EXTERN_LAUNCHERS(half, 128)
 KIVI_EXTERN_LAUNCHERS(__nv_bfloat16, 64)
@@ -36,9 +36,17 @@ __device__ __forceinline__ bool isPrefillSequence(KiviLaunchPlan const& plan, in
 
 //! One CTA per sequence: token/tile offsets (block-wide sums over the earlier sequences) and the device-side checks
 //! of DESIGN.md (lengths, capacity, slot, block ids). A failing sequence is marked invalid (skipped by every later
-//! kernel) and its KiviErrorBits are OR-ed into *errorFlag.
-__global__ void __launch_bounds__(128) kiviPrepareKernel(KiviStepParams p, KiviLaunchPlan plan, SeqInfo* seqInfo)
+//! kernel) and its KiviErrorBits are OR-ed into *errorFlag. Also zeroes the numCounters arrival counters of the
+//! fused split merge (kiviDecodeSplit.cuh), marks the sequences whose window row the attention kernel writes
+//! (windowByAttention: a whole step of a fused variant), and lets a programmatic dependent start at once.
+__global__ void __launch_bounds__(128) kiviPrepareKernel(KiviStepParams p, KiviLaunchPlan plan, SeqInfo* seqInfo,
+    int32_t* counters, int32_t numCounters, int32_t windowByAttention)
 {
+    gridDependencyLaunch();
+    for (int32_t u = blockIdx.x * blockDim.x + threadIdx.x; u < numCounters; u += gridDim.x * blockDim.x)
+    {
+        counters[u] = 0;
+    }
     __shared__ int64_t sTokens[128];
     __shared__ int64_t sTiles[128];
     __shared__ int64_t sPrefillTiles[128];
@@ -131,12 +139,16 @@ __global__ void __launch_bounds__(128) kiviPrepareKernel(KiviStepParams p, KiviL
             ? static_cast<int32_t>((rows * plan.groupHeads + kPREFILL_TILE_ROWS - 1) / kPREFILL_TILE_ROWS)
             : 0;
         info.valid = err == 0 ? 1 : 0;
+        info.windowWritten = err == 0 && windowByAttention && c == 1
+                && numQuantizedDev(e, p.sinkTokens, p.residualLength, p.groupSize)
+                    == numQuantizedDev(s, p.sinkTokens, p.residualLength, p.groupSize)
+            ? 1
+            : 0;
         // This sequence's length e spread over all numSplits splits (whole 32-key tiles, at least kMIN_SPLIT_LEN),
         // so a short sequence in an engine sized for long ones still uses the splits: numSplits * splitLen >= e.
         int64_t const perSplit = (e > 0 ? e : 0) + plan.numSplits - 1;
         int64_t const len = (perSplit / plan.numSplits + kKEY_TILE - 1) / kKEY_TILE * kKEY_TILE;
         info.splitLen = static_cast<int32_t>(len > kMIN_SPLIT_LEN ? len : kMIN_SPLIT_LEN);
-        info.spare = 0;
         seqInfo[b] = info;
         if (err != 0 && p.errorFlag != nullptr)
         {
@@ -198,13 +210,16 @@ cudaError_t currentSmVersion(int32_t& sm)
     return cudaSuccess;
 }
 
+//! Fused variants on sm_90 chain prepare -> decode -> append with programmatic dependent launches (each waits for
+//! its predecessor where it reads its results); everything else launches as before.
 template <typename T, int kD>
 cudaError_t dispatchPhases(KiviStepParams const& p, KiviLaunchPlan const& plan, SeqInfo const* seqInfo,
-    float* partialAcc, float* partialMl, int32_t phase, cudaStream_t stream)
+    float* partialAcc, float* partialMl, int32_t* counters, bool programmatic, int32_t phase, cudaStream_t stream)
 {
     if (phase & kPHASE_ATTENTION)
     {
-        cudaError_t const err = launchKiviAttention<T, kD>(p, plan, seqInfo, partialAcc, partialMl, stream);
+        cudaError_t const err
+            = launchKiviAttention<T, kD>(p, plan, seqInfo, partialAcc, partialMl, counters, programmatic, stream);
         if (err != cudaSuccess)
         {
             return err;
@@ -212,7 +227,7 @@ cudaError_t dispatchPhases(KiviStepParams const& p, KiviLaunchPlan const& plan, 
     }
     if (phase & kPHASE_APPEND)
     {
-        return launchKiviAppend<T, kD>(p, plan, seqInfo, stream);
+        return launchKiviAppend<T, kD>(p, plan, seqInfo, programmatic, stream);
     }
     return cudaSuccess;
 }
@@ -230,25 +245,23 @@ cudaError_t invokePhases(KiviStepParams const& p, int32_t phase, cudaStream_t st
     {
         return cudaSuccess;
     }
-    if (phase & kPHASE_ATTENTION)
+    int32_t sm = 0;
+    cudaError_t err = currentSmVersion(sm);
+    if (err != cudaSuccess)
     {
-        int32_t sm = 0;
-        cudaError_t const err = currentSmVersion(sm);
-        if (err != cudaSuccess)
-        {
-            return err;
-        }
-        if (kiviCheckArch(p, sm, msg, sizeof(msg)) != 0)
-        {
-            kiviSetLastErrorMessage(msg);
-            return cudaErrorInvalidValue;
-        }
+        return err;
     }
-    KiviLaunchPlan const plan = kiviLaunchPlan(p);
+    if ((phase & kPHASE_ATTENTION) && kiviCheckArch(p, sm, msg, sizeof(msg)) != 0)
+    {
+        kiviSetLastErrorMessage(msg);
+        return cudaErrorInvalidValue;
+    }
+    KiviLaunchPlan const plan = kiviLaunchPlan(p, sm); // auto resolved for this device's arch
     char* ws = static_cast<char*>(p.workspace);
     SeqInfo* seqInfo = reinterpret_cast<SeqInfo*>(ws);
     float* partialAcc = nullptr;
     float* partialMl = nullptr;
+    int32_t* counters = nullptr;
     if (plan.numSplits > 1)
     {
         // [numTokens, numHeads, numSplits, D] then [numTokens, numHeads, numSplits, 2]: within partialBytes, which
@@ -258,13 +271,21 @@ cudaError_t invokePhases(KiviStepParams const& p, int32_t phase, cudaStream_t st
         partialMl = reinterpret_cast<float*>(
             ws + plan.seqInfoBytes + (rows * p.headDim * sizeof(float) + 255) / 256 * 256);
     }
-    kiviPrepareKernel<<<p.batch, 128, 0, stream>>>(p, plan, seqInfo);
-    cudaError_t err = cudaGetLastError();
+    int32_t const numCounters = plan.fusedCombine ? plan.numTiles * p.numKvHeads : 0;
+    if (numCounters > 0)
+    {
+        counters = reinterpret_cast<int32_t*>(ws + plan.seqInfoBytes + plan.partialBytes);
+    }
+    // one half alone: the attention kernel never writes the cache, the append kernel all of it
+    int32_t const windowByAttention = phase == kPHASE_STEP && plan.windowByAttention ? 1 : 0;
+    kiviPrepareKernel<<<p.batch, 128, 0, stream>>>(p, plan, seqInfo, counters, numCounters, windowByAttention);
+    err = cudaGetLastError();
     if (err != cudaSuccess)
     {
         return err;
     }
-    if ((phase & kPHASE_ATTENTION) && plan.numSplits == 1)
+    bool const fused = kKIVI_DECODE_VARIANTS[plan.decodeVariant].fused != 0;
+    if ((phase & kPHASE_ATTENTION) && plan.numSplits == 1 && !fused)
     {
         int64_t const vecs = int64_t(p.numTokens) * p.numHeads * p.headDim / 8;
         int64_t const blocks = (vecs + 127) / 128;
@@ -276,29 +297,45 @@ cudaError_t invokePhases(KiviStepParams const& p, int32_t phase, cudaStream_t st
             return err;
         }
     }
+    bool const programmatic = fused && sm >= 90;
     bool const bf16 = p.actDtype == kKIVI_BFLOAT16;
     if (p.headDim == 64)
     {
-        return bf16 ? dispatchPhases<__nv_bfloat16, 64>(p, plan, seqInfo, partialAcc, partialMl, phase, stream)
-                    : dispatchPhases<half, 64>(p, plan, seqInfo, partialAcc, partialMl, phase, stream);
+        return bf16 ? dispatchPhases<__nv_bfloat16, 64>(
+                   p, plan, seqInfo, partialAcc, partialMl, counters, programmatic, phase, stream)
+                    : dispatchPhases<half, 64>(
+                        p, plan, seqInfo, partialAcc, partialMl, counters, programmatic, phase, stream);
     }
-    return bf16 ? dispatchPhases<__nv_bfloat16, 128>(p, plan, seqInfo, partialAcc, partialMl, phase, stream)
-                : dispatchPhases<half, 128>(p, plan, seqInfo, partialAcc, partialMl, phase, stream);
+    return bf16 ? dispatchPhases<__nv_bfloat16, 128>(
+               p, plan, seqInfo, partialAcc, partialMl, counters, programmatic, phase, stream)
+                : dispatchPhases<half, 128>(
+                    p, plan, seqInfo, partialAcc, partialMl, counters, programmatic, phase, stream);
 }
 
 } // namespace
 
 int32_t kiviAttentionCtasPerSm(KiviStepParams const& p)
 {
-    // Only the kernel choice (head_dim, dtype, bits, scale dtype, G) matters: no pointers are needed.
+    // Only the kernel choice (variant, head_dim, dtype, bits, scale dtype, G) matters: no pointers are needed.
+    int32_t sm = kKIVI_PLAN_ARCH;
+    if (currentSmVersion(sm) != cudaSuccess)
+    {
+        return -1;
+    }
+    int32_t const variant = kiviDecodeVariantFor(p, sm, p.numSms);
+    if (variant <= 0 || variant >= kKIVI_DECODE_VARIANT_COUNT
+        || (variant != kKIVI_VARIANT_DEFAULT && !kiviVariantCompiled(variant, p.headDim, p.kBits, p.vBits)))
+    {
+        return -1;
+    }
     bool const bf16 = p.actDtype == kKIVI_BFLOAT16;
     if (p.headDim == 64)
     {
-        return bf16 ? mmaCtasPerSm<__nv_bfloat16, 64>(p) : mmaCtasPerSm<half, 64>(p);
+        return bf16 ? mmaCtasPerSm<__nv_bfloat16, 64>(p, variant) : mmaCtasPerSm<half, 64>(p, variant);
     }
     if (p.headDim == 128)
     {
-        return bf16 ? mmaCtasPerSm<__nv_bfloat16, 128>(p) : mmaCtasPerSm<half, 128>(p);
+        return bf16 ? mmaCtasPerSm<__nv_bfloat16, 128>(p, variant) : mmaCtasPerSm<half, 128>(p, variant);
     }
     return -1;
 }
