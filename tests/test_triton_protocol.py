@@ -177,3 +177,20 @@ def test_client_types_follow_the_protocol_and_metrics_parse():
             'trtllm_kivi_kv_slots_in_use{model="a"} 2\ntrtllm_kivi_kv_slots_in_use{model="b"} 0\n'
             'trtllm_kivi_requests_finished_total{model="a",reason="cancelled"} 3\nnv_inference_count{model="a"} 9\n')
     assert model_metrics(text, "a") == {"kv_slots_in_use": 2.0, "requests_finished_total:cancelled": 3.0}
+
+
+@pytest.mark.parametrize("code, asked, status, words", [
+    (0, True, 0, []),  # stopped cleanly because we asked
+    (-11, False, 139, ["died on its own", "SIGSEGV", "exits 139"]),  # a crash: 128 + signal, as a shell says
+    (-9, True, 137, ["after the stop request", "SIGKILL"]),  # killed after the stop request timed out
+    (1, False, 1, ["exit code 1"]),
+    (0, False, 1, ["died on its own", "exit code 0"]),  # ended by itself: a supervisor must still restart it
+])
+def test_launcher_exit_status_follows_the_server(capsys, code, asked, status, words):
+    from trtllm_kivi.commands.triton import launcher_status
+
+    assert launcher_status(code, asked, "LOG TAIL") == status
+    err = capsys.readouterr().err
+    for w in words:
+        assert w in err
+    assert ("LOG TAIL" in err) == (status != 0)

@@ -18,6 +18,7 @@ import re
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -418,3 +419,70 @@ def test_qwen2_checkpoint_and_build_match_offline(server, qwen2_dirs):
         ref_engine = generate(engine_runner, [p], params, tok, prefill_chunk=32)[0]
         assert engine[str(i)]["error"] is None and engine[str(i)]["ids"] == ref_engine.tokens, (i, engine[str(i)])
     assert got["0"]["text"] == tok.decode(got["0"]["ids"]) and got["0"]["responses"] >= n[0]
+
+
+TYPE_ERRORS = [b'{"text_input": 5, "max_tokens": 2}', b'{"text_input": "Hi", "max_tokens": 2.5}',
+               b'{"text_input": "Hi", "max_tokens": "2"}', b'{"text_input": "Hi", "max_tokens": 2, "temperature": "x"}',
+               b'[1, 2]', b'{"text_input": "Hi", "max_tok']
+DEEP = b'{"text_input": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"  # ~100 KB
+
+
+def _post_raw(url: str, raw: bytes) -> tuple[int | None, str]:
+    req = urllib.request.Request(f"http://{url}/v2/models/{MODEL}/generate", data=raw,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError as e:  # the server went away
+        return None, repr(e)
+
+
+def test_launcher_exit_status_follows_the_server_after_hostile_bodies(tmp_path):
+    """Triton's own HTTP front end answers wrong JSON types with HTTP 500 naming no field, and tritonserver 2.51 dies
+    with SIGSEGV on a body nested 50,000 levels deep (upstream; docs/serving.md has the reproductions). What is ours:
+    `trtllm-kivi triton --launch` exits with the server's failure (128 + signal) and says why; had the server
+    survived, it keeps serving and the launcher exits 0 at SIGTERM."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cmd = [sys.executable, "-m", "trtllm_kivi.cli", "triton", "--model", "smollm2-135m", "-o", str(tmp_path / "repo"),
+           "--launch", "--max-batch-size", "2", "--max-seq-len", "64", "--threads", "1", "--kv", KV,
+           "--residual-length", "32", "--triton-env", str(TRITON_ENV.root)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=Path(__file__).resolve().parent.parent)
+    try:
+        url, lines = None, []
+        deadline = time.monotonic() + 300
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"HTTP (127\.0\.0\.1:\d+)", line)
+            url = m.group(1) if m else None
+        assert url, "".join(lines)
+        good = b'{"text_input": "Hi", "max_tokens": 2}'
+        for raw in TYPE_ERRORS:
+            status, body = _post_raw(url, raw)
+            assert status is not None and 400 <= status < 600 and status != 200, (raw, status, body)
+            assert _post_raw(url, good)[0] == 200, raw
+        status, body = _post_raw(url, DEEP)
+        time.sleep(2)
+        if status is None:  # the server died (Triton 2.51): the launcher must fail, naming the signal
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 128 + signal.SIGSEGV, (proc.returncode, out[-2000:])
+            assert "SIGSEGV" in out and "died" in out, out[-2000:]
+        else:  # a fixed Triton: it refuses the body and keeps serving; a clean stop exits 0
+            assert 400 <= status < 500 and _post_raw(url, good)[0] == 200, (status, body)
+            os.kill(proc.pid, signal.SIGTERM)
+            proc.communicate(timeout=120)
+            assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

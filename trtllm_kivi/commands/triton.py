@@ -84,13 +84,40 @@ def run(args: argparse.Namespace) -> int:
     print(f"ready: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics {server.metrics_url}/metrics; model "
           f"{args.name!r}. Ctrl-C stops it.",
           flush=True)
+    asked: list[bool] = []  # set when we were asked to stop (SIGTERM / Ctrl-C): only then is the server's end expected
+
+    def stop(*_) -> None:
+        asked.append(True)
+        raise KeyboardInterrupt
     try:
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        signal.signal(signal.SIGTERM, stop)
         if server.proc is not None:
             server.proc.wait()
-    except (KeyboardInterrupt, SystemExit):
-        pass
+    except KeyboardInterrupt:
+        asked.append(True)
     finally:
         code = server.stop()
-    print(f"tritonserver stopped (exit code {code})")
-    return 0
+    return launcher_status(code, bool(asked), server.log_tail(20))
+
+
+def launcher_status(code: int | None, asked: bool, log_tail: str = "") -> int:
+    """The launcher's exit status: 0 when the server stopped cleanly because we asked it to; otherwise the server's
+    failure (128 + signal when a signal killed it, as a shell reports it; its exit code; 1 if it ended with 0 on its
+    own), with the reason on stderr, so a supervisor sees a dead server."""
+    if code is None:
+        return 1
+    if asked and code == 0:
+        print("tritonserver stopped (exit code 0)")
+        return 0
+    if code < 0:
+        try:
+            why = f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            why = f"killed by signal {-code}"
+        status = 128 - code
+    else:
+        why, status = f"exit code {code}", code or 1
+    cause = "after the stop request" if asked else "on its own"
+    print(f"trtllm-kivi triton: tritonserver died {cause} ({why}); the launcher exits {status}. Last log lines:\n"
+          f"{log_tail}", file=sys.stderr, flush=True)
+    return status

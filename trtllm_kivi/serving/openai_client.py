@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import statistics
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -143,4 +145,60 @@ def run_clients(host: str, port: int, path: str, bodies: list[dict], clients: in
             "errors": [r.error for r in done if not r.ok][:5]}
 
 
-__all__ = ["Reply", "get", "percentile", "post", "run_clients"]
+
+
+class ServeProcess:
+    """`trtllm-kivi serve ARGS` as a child process on 127.0.0.1 (a free port), stopped by its PID (SIGTERM: it drains
+    and exits 0). `with ServeProcess([...]) as s: s.port`."""
+
+    def __init__(self, args: list[str], python: str | None = None, timeout: float = 600.0,
+                 env: dict | None = None) -> None:
+        import sys
+
+        self.cmd = [python or sys.executable, "-m", "trtllm_kivi.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+                    *args]
+        self.timeout, self.env = timeout, env
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.output: list[str] = []
+
+    def start(self) -> ServeProcess:
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=self.env)
+        deadline = time.monotonic() + self.timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                break
+            self.output.append(line)
+            if "http://127.0.0.1:" in line:
+                self.port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+                threading.Thread(target=lambda: self.output.extend(self.proc.stdout or []),  # type: ignore[union-attr]
+                                 daemon=True).start()
+                return self
+        self.proc.kill()
+        self.proc.wait()
+        raise RuntimeError(f"trtllm-kivi serve did not start:\n{''.join(self.output[-30:])}")
+
+    def stop(self, timeout: float = 120.0) -> int | None:
+        """SIGTERM (drain, exit 0); SIGKILL after timeout. Returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServeProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+__all__ = ["Reply", "ServeProcess", "get", "percentile", "post", "run_clients"]
