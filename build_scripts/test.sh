@@ -9,13 +9,20 @@ cd "$(dirname "$0")/.."
 bash build_scripts/install.sh --test
 bash build_scripts/build_cpu_kernels.sh --jobs 2 --bench  # CI tests the native CPU kernels (and compiles the inner-loop microbenchmark): a build failure fails here
 bash build_scripts/build_plugin.sh --arch "${KIVI_CUDA_ARCHS:-90}" --jobs 2
-# the static SASS performance model of the decode and append kernels (sm_90 + sm_80 cubins; tools/kernel_model/README.md).
-# It fails the run when the default decode kernel is predicted issue- or shared-memory-bound at Llama-3-8B, batch 8,
-# 32K on H200, or the append (quantize-and-store) kernel below 80% of copy bandwidth for prefill chunks of >= 4K.
-.venv/bin/python -m tools.kernel_model --fail-if-default-not-memory-bound --fail-if-append-below-copy-bw
+# the static SASS performance model of the decode and append kernels (sm_90 + sm_80 cubins; tools/kernel_model/README.md),
+# its decode timing calibrated against the committed GPU measurements. Its gates fail the run -- after the tests, which
+# still run -- when the default decode variant reads at < 80% of the read ceiling at Llama-3-8B, batch 8, 32K on H200
+# (measured where a committed measurement of it exists, else by the calibrated model), or the append (quantize-and-
+# store) kernel is predicted below 80% of copy bandwidth for prefill chunks of >= 4K.
+model_status=0
+.venv/bin/python -m tools.kernel_model --fail-if-default-not-memory-bound --fail-if-append-below-copy-bw || model_status=$?
 TRTLLM_KIVI_TRITON_ENV="$(bash build_scripts/setup_triton_env.sh | tail -n 1)"
 export TRTLLM_KIVI_TRITON_ENV
 # lint and types first (pyproject.toml: ruff default + B, UP, SIM; mypy): a finding fails the run
 .venv/bin/ruff check trtllm_kivi tests benchmarks tools
 .venv/bin/mypy trtllm_kivi tools
 .venv/bin/python -m pytest tests "$@"
+if [ "$model_status" -ne 0 ]; then
+    echo "test.sh: tools.kernel_model failed (exit $model_status; its FAIL line above says why)" >&2
+    exit "$model_status"
+fi

@@ -17,7 +17,7 @@ from . import toolchain
 from .banks import smem_width, wavefronts
 from .kernels import KERNELS
 from .plan import Resources, ceil_div
-from .sass import Instr, basic_blocks, disassemble, find_loops, find_tags, op_class, reachable, source_lines
+from .sass import Block, Instr, basic_blocks, disassemble, find_loops, find_tags, op_class, reachable, source_lines
 from .shapes import ARCHS, WARP
 from .spec import Ctx, KernelSpec, PathRule, weight_of
 
@@ -249,23 +249,31 @@ class KernelAnalysis:
             self._counts[ctx] = self._count(ctx)
         return self._counts[ctx]
 
-    def _count(self, ctx: Ctx) -> tuple[Count, Count]:
+    def executed(self, ctx: Ctx) -> list[tuple[Block, float, bool]]:
+        """The blocks on the executed path: (block, executions per warp -- per key tile inside the tile loop, per
+        CTA outside it --, inside the tile loop). Block weight x trips of the enclosing loops other than the tile's."""
         weights = self._weights(ctx)
         trips, scale = self._trips(ctx, weights)
         tl = self.tile_loop(weights)
+        out = []
+        for b in self.blocks:
+            n = weights[b.index] * scale.get(b.index, 1.0)
+            if n == 0.0:
+                continue
+            for li, lp in enumerate(self.loops):
+                if lp.contains(b.index) and li != tl:
+                    n *= trips[li]
+            out.append((b, n, self.loops[tl].contains(b.index)))
+        return out
+
+    def _count(self, ctx: Ctx) -> tuple[Count, Count]:
         tile, rest = Count(), Count()
         smem = self._smem_patterns(ctx)
         warps = ceil_div(self.spec.threads, WARP)
         tile_warps = self.spec.tile_warps or warps
-        for b in self.blocks:
-            wgt = weights[b.index] * scale.get(b.index, 1.0)
-            if wgt == 0.0:
-                continue
-            n = wgt * (tile_warps if self.loops[tl].contains(b.index) else warps)
-            for li, lp in enumerate(self.loops):
-                if lp.contains(b.index) and li != tl:
-                    n *= trips[li]
-            target = tile if self.loops[tl].contains(b.index) else rest
+        for b, per_warp, in_tile in self.executed(ctx):
+            n = per_warp * (tile_warps if in_tile else warps)
+            target = tile if in_tile else rest
             for ins in b.instrs:
                 cls = "CTRL" if ins.pred == "@!PT" else op_class(ins.opcode)  # never-true predicate: a padding slot
                 target.by_class[cls] += n  # a predicated-off instruction still takes its issue slot
