@@ -221,3 +221,20 @@ def test_admission_counts_shared_blocks_once(model):
     sched.step()
     assert sched.num_running == 2 and a.cached_tokens == b.cached_tokens == 176
     sched.run_until_idle()
+
+
+def test_a_burst_sharing_a_prefix_computes_it_once(model):
+    """Requests submitted together with a common prefix: the first prefills it, the others wait for it to be kept
+    (not computing it again) and reuse it; every request still gets the tokens of its prompt alone."""
+    shared = prompt(8, 150)
+    prompts = [shared + prompt(40 + i, 9 + i) for i in range(4)]
+    sched = Scheduler(make_runner(model, "kivi2", slots=4), max_batch_tokens=96, prefill_chunk=CHUNK,
+                      prefix_caching=True)
+    reqs = sched.generate(prompts, SamplingParams(max_new_tokens=5))
+    assert sched.prefix is not None
+    deepest = max(sched.prefix.bounds(len(shared)))
+    assert [r.cached_tokens for r in reqs] == [0, deepest, deepest, deepest]
+    assert sched.prompt_tokens == sum(len(p) for p in prompts) - 3 * deepest
+    for p, r in zip(prompts, reqs, strict=True):
+        alone = Scheduler(make_runner(model, "kivi2", slots=1), prefill_chunk=CHUNK, prefix_caching=True)
+        assert alone.generate([p], SamplingParams(max_new_tokens=5))[0].tokens == r.tokens

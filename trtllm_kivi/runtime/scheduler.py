@@ -22,7 +22,8 @@ requests wait in arrival order, and a running request never finds the pool empty
 
 Prefix sharing (prefix_caching=True; runtime/prefix_cache.py): a prompt chunk also ends at every boundary b_k of
 the cache (where a prefix's state is whole blocks + a window), the state there is kept, and a request whose prompt
-starts with a kept prefix gets that state at admission and prefills only the rest (`cached_tokens`). Chunk ends are
+starts with a kept prefix gets that state at admission and prefills only the rest (`cached_tokens`); a request whose
+next prefix block a running prefill is computing waits for it rather than computing it again. Chunk ends are
 then a function of the position alone, so a request's tokens are the same whether its prefix came from the cache
 or not. Admission counts a shared block once: the blocks live sequences hold, plus what each may still allocate,
 plus the new request's revived (cached, unheld) prefix blocks and its own worst case beyond them, must fit the pool.
@@ -314,27 +315,48 @@ class Scheduler:
     def _admit(self) -> None:
         with self._lock:
             pool = kv_usage.blocks_total(self.runner)
-            while self._waiting and self.runner.free_slots > 0 and len(self._running) < self.max_batch_size:
-                r = self._waiting[0]
+            inflight = self._inflight_prefixes()
+            i = 0
+            while i < len(self._waiting) and self.runner.free_slots > 0 and len(self._running) < self.max_batch_size:
+                r = self._waiting[i]
                 blocks = kv_usage.blocks_for(self.runner, len(r.prompt) + r.params.max_new_tokens - 1)
-                match = self._match(r)
+                match, usable = self._match(r)
+                if match.depth < usable and r._hashes[match.depth] in inflight:
+                    i += 1  # a running request is prefilling this prompt's next prefix block: reuse it when kept
+                    continue
                 if self._committed() + match.revived + blocks - len(match.blocks) > pool:
                     break  # wait (in arrival order) until running requests return their blocks
-                self._waiting.popleft()
+                del self._waiting[i]
                 r.slot = self.runner.add_sequence()
                 r._blocks, self.blocks_reserved = blocks, self.blocks_reserved + blocks
                 if self.prefix is not None:
                     self.prefix.attach(r.slot, match)
                     r.fed = r.cached_tokens = match.tokens
+                    inflight.update(self._pending_hashes(r))
                 self._running.append(r)
 
-    def _match(self, r: Request) -> Match:
+    def _match(self, r: Request) -> tuple[Match, int]:
+        """The request's longest cached prefix, and how many of its prefix entries it could use at all."""
         if self.prefix is None:
-            return Match()
+            return Match(), 0
         if not r._hashes:
             r._hashes = chain_hashes(r.prompt, self.prefix.bounds(len(r.prompt)))
         usable = len(self.prefix.bounds(len(r.prompt) - 1))  # at least one prompt token is left to prefill
-        return self.prefix.match(r.prompt, r._hashes[:usable])
+        return self.prefix.match(r.prompt, r._hashes[:usable]), usable
+
+    def _pending_hashes(self, r: Request) -> list[bytes]:
+        """The prefix entries a running request will still register (its boundaries beyond what it has fed)."""
+        assert self.prefix is not None
+        done = len(self.prefix.bounds(r.fed))
+        return r._hashes[done:]
+
+    def _inflight_prefixes(self) -> set[bytes]:
+        """Prefix entries that running prefills are computing now. A waiting request whose next entry is among them
+        waits for it (later arrivals may go first) instead of computing the same prefix again: a burst of requests
+        with a common system prompt computes it once."""
+        if self.prefix is None:
+            return set()
+        return {h for r in self._running if r.fed < len(r.prompt) for h in self._pending_hashes(r)}
 
     def _committed(self) -> int:
         """Pool blocks that running requests hold or may still allocate (a shared block counts once)."""
