@@ -185,14 +185,16 @@ def test_every_variant_decode_loop(lib, variant, dtype):
     (2, 4, 128, 64, 3, 1, torch.float16, "float16", 0),
 ])
 def test_all_combination_variants_decode_loop(lib, variant, kb, vb, g, d, h, hkv, dtype, sdt, sinks):
-    """The variants compiled for every combination, away from the headline one: a prefill, then decode steps
-    (decode mode for the fused ones) across flushes; several splits for the long history."""
+    """The variants compiled for every combination, away from the headline one: a prefill chunk next to a decode
+    token, then 10 decode steps (decode mode for the fused ones) in which both sequences cross a flush (histories
+    placed 6 and 4 tokens before one); several splits for the ~900-token history."""
     cfg = KiviConfig(k_bits=kb, v_bits=vb, group_size=g, residual_length=32, block_size=128, scale_dtype=sdt,
                      sink_tokens=sinks)
     pair = Pair(cfg, h, hkv, d, dtype, batch=2, mbs=10, seed=kb + vb)
-    pair.fill_history([900, 0])
-    pair.step(lib, [1, 40], variant=variant)
-    for _ in range(3 * g // 2):
+    first_flush = sinks + 32 + g  # S + R + G: past lengths S + R + kG - 1 flush on the next token
+    pair.fill_history([first_flush + (896 // g - 1) * g - 6, 0])
+    pair.step(lib, [1, first_flush - 4], variant=variant)
+    for _ in range(10):
         pair.step(lib, [1, 1], variant=variant)
 
 
