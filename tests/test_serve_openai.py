@@ -35,7 +35,7 @@ HOST = "127.0.0.1"
 def server():
     cmd = [sys.executable, "-m", "trtllm_kivi.cli", "serve", "--port", "0", "--max-batch-size", str(SLOTS),
            "--max-seq-len", str(MAX_SEQ_LEN), "--prefill-chunk", str(CHUNK), "--drain-timeout", "3",
-           "--max-body-bytes", str(1 << 20), *KV_ARGS]
+           "--max-body-bytes", str(1 << 20), "--threads", "1", *KV_ARGS]  # one thread: steady on a busy machine
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     port = None
@@ -60,7 +60,7 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def offline():
+def offline(one_thread):
     """generate(prompt_ids, **params) -> text, with the server's model, KV spec and scheduler settings."""
     from trtllm_kivi.models import load_model
     from trtllm_kivi.runtime.kvspec import parse_kv
@@ -77,6 +77,16 @@ def offline():
         return sched.generate([ids], p)[0].text
     generate.tok = tok  # type: ignore[attr-defined]
     return generate
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def client(server) -> openai.OpenAI:
@@ -286,11 +296,12 @@ def test_malformed_requests_get_the_right_status_and_message(server, path, body,
 
 
 def test_good_requests_after_malformed_ones_are_unaffected(server, offline):
+    want = offline(offline.tok.encode("The capital of France is"), max_new_tokens=4)
     for path, body, _, _ in MALFORMED[::4]:
         post(HOST, server[1], path, body, stream=False)
         r = post(HOST, server[1], "/v1/completions", {"model": MODEL, "prompt": "The capital of France is",
                                                       "max_tokens": 4, "temperature": 0})
-        assert r.ok and r.text == offline(offline.tok.encode("The capital of France is"), max_new_tokens=4)
+        assert r.ok and r.text == want
     status, _ = get(HOST, server[1], "/v1/nothing")
     assert status == 404
     assert get(HOST, server[1], "/v1/completions")[0] == 405
