@@ -210,6 +210,40 @@ cudaError_t currentSmVersion(int32_t& sm)
     return cudaSuccess;
 }
 
+//! Virtual architecture (major * 10 + minor) the library's kernels were compiled from, as the current device runs
+//! them (cudaFuncAttributes::ptxVersion of the prepare kernel: every kernel of the library is compiled for the same
+//! architectures), queried once per device and cached. A library without sm_90 code (built for 80 only) runs on a
+//! Hopper GPU through its compute_80 PTX, where griddepcontrol.wait is compiled out (kiviCommon.cuh): a
+//! programmatic launch would then let the decode kernel read the prepare kernel's seqInfo and counters, and the
+//! append kernel overwrite window rows, before they are ready. Programmatic launches need this >= 90 too.
+cudaError_t kernelPtxVersion(int32_t& ptx)
+{
+    constexpr int32_t kMAX_DEVICES = 64;
+    static std::atomic<int32_t> sCache[kMAX_DEVICES]; // 0 = not queried yet
+    int32_t dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess)
+    {
+        return err;
+    }
+    if (dev >= 0 && dev < kMAX_DEVICES && (ptx = sCache[dev].load(std::memory_order_relaxed)) > 0)
+    {
+        return cudaSuccess;
+    }
+    cudaFuncAttributes attr{};
+    err = cudaFuncGetAttributes(&attr, kiviPrepareKernel);
+    if (err != cudaSuccess)
+    {
+        return err;
+    }
+    ptx = attr.ptxVersion;
+    if (dev >= 0 && dev < kMAX_DEVICES)
+    {
+        sCache[dev].store(ptx, std::memory_order_relaxed);
+    }
+    return cudaSuccess;
+}
+
 //! Fused variants on sm_90 chain prepare -> decode -> append with programmatic dependent launches (each waits for
 //! its predecessor where it reads its results); everything else launches as before.
 template <typename T, int kD>
@@ -297,7 +331,17 @@ cudaError_t invokePhases(KiviStepParams const& p, int32_t phase, cudaStream_t st
             return err;
         }
     }
-    bool const programmatic = fused && sm >= 90;
+    // programmatic only where the kernels run sm_90 code: their griddepcontrol.wait is what orders them
+    int32_t ptx = 0;
+    if (fused && sm >= 90)
+    {
+        err = kernelPtxVersion(ptx);
+        if (err != cudaSuccess)
+        {
+            return err;
+        }
+    }
+    bool const programmatic = fused && sm >= 90 && ptx >= 90;
     bool const bf16 = p.actDtype == kKIVI_BFLOAT16;
     if (p.headDim == 64)
     {
