@@ -6,10 +6,13 @@ search (`trtllm-kivi eval --recommend`, eval/recommend.py) chooses within a budg
 Scoring is eval/quality.py's protocol (prefix prefilled, then 32-token chunks cut at every configuration's flush
 points, so each chunk is exact decode-mode for every cache; teacher forcing; the FP16 cache is the reference), with
 all segments of a pass run as one ragged batch (one weight read per chunk for every segment: a 1.5B model on a CPU is
-bound by that). Per-segment results go into a JSON-lines resume cache in the same units as `eval --recipes`
-(`seg|<kv>|<segment>`), so the search then finds its candidates measured and only chooses (its criterion too is
-computed once, from one calibration prefill of segment 0). All configurations share the flush points of sinks 0 and
-4 (the fingerprint), so a configuration's numbers do not depend on which others ran with it.
+bound by that). A pass holds configurations with the same sink count, and its chunk plan is cut at their flush
+points only (a plan cut at sinks 0 and 4 together has 119 chunks instead of 60: twice the weight reads), so each
+chunk is exact decode mode for every configuration of the pass; the FP16 reference runs in every pass (KL and top-1
+are against the same pass's logits; its per-segment NLL is kept from the first pass, and another plan's chunk shapes
+change it only by fp32 summation order). Per-segment results go into a JSON-lines resume cache in the same units as
+`eval --recipes` (`seg|<kv>|<segment>`), so the search then finds its candidates measured and only chooses (its
+criterion too is computed once, from one calibration prefill of segment 0).
 
     TRTLLM_KIVI_HOME=... PYTHONPATH=. nice -n 19 python benchmarks/quality_model.py --model qwen2.5-coder-1.5b \\
         --corpus shakespeare --segments 6 --cache CACHE.jsonl \\
@@ -40,7 +43,6 @@ from trtllm_kivi.models import load_model, resolve_model  # noqa: E402
 from trtllm_kivi.runtime.kvspec import KVSpec, parse_kv  # noqa: E402
 
 TABLE = "fp16,kivi4,k4v2,kivi2,kivi2+sink4,kivi2+sink4+had,k4v2+sink4+had"
-FLUSH_SINKS = (0, 4)  # every configuration's sinks are one of these (the chunk plan's flush points)
 
 
 def log(msg: str) -> None:
@@ -63,7 +65,7 @@ def score_pass(model, specs: dict[str, KVSpec], ids: list[int], setup: QualitySe
     """One pass: the reference and `names` on every segment as one ragged batch, in lockstep per chunk; each
     configuration's per-segment nll / kl / top-1 written to the cache as `eval --recipes` writes them."""
     n_seg, p0, end = setup.segments, setup.prefix, setup.segment_len - 1
-    cfgs = [c for c in (parse_kv(f"kivi2+sink{s}").kivi for s in FLUSH_SINKS) if c is not None]
+    cfgs = [c for c in (specs[n].kivi for n in names) if c is not None]
     plan = chunk_plan(p0, end, cfgs, setup.max_chunk)
     segs = [ids[setup.offset + i * setup.segment_len:setup.offset + (i + 1) * setup.segment_len] for i in range(n_seg)]
     order = [reference, *names]
@@ -137,7 +139,7 @@ def main() -> int:
         raise SystemExit(f"the corpus has {len(ids)} tokens; {setup.tokens_needed} needed")
     fingerprint = {"model": portable_path(resolve_model(args.model)), "dtype": args.dtype, "text": text_info,
                    "segment_len": setup.segment_len, "prefix": setup.prefix, "offset": 0,
-                   "flush_sinks": list(FLUSH_SINKS), "backend": args.backend}
+                   "plan": "per pass: its configurations' flush points", "backend": args.backend}
     cache = ResultCache(args.cache, fingerprint)
     geom = cfg.geometry
     table_names = [n for n in args.kv.split(",") if n]
@@ -156,14 +158,22 @@ def main() -> int:
         for c, spec in found.get(n, {}).items():
             specs.setdefault(c, spec)
     del seen
-    bad = [n for n, s in specs.items() if s.kivi is not None and s.kivi.sink_tokens not in FLUSH_SINKS]
-    if bad:
-        raise SystemExit(f"{bad}: sinks must be one of {FLUSH_SINKS} (one chunk plan for the whole table)")
     log(f"criterion done; configurations: {', '.join(specs)}")
     missing = [n for n in specs if n != "fp16" and any(cache.get(f"seg|{n}|{i}") is None
                                                         for i in range(setup.segments))]
-    for k in range(0, len(missing), args.per_pass):
-        names = missing[k:k + args.per_pass]
+
+    def flush(n: str) -> tuple[int, int]:
+        c = specs[n].kivi
+        return (0, 0) if c is None else (c.sink_tokens + c.residual_length, c.group_size)
+
+    passes: list[list[str]] = []
+    for n in missing:  # in order; a pass takes configurations of one flush schedule, at most --per-pass of them
+        fit = [p for p in passes if flush(p[0]) == flush(n) and len(p) < args.per_pass]
+        if fit:
+            fit[0].append(n)
+        else:
+            passes.append([n])
+    for names in passes:
         t0 = time.time()
         log(f"pass: fp16 + {', '.join(names)}")
         score_pass(model, specs, ids, setup, cache, names, "fp16", args.backend)
