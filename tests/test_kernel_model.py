@@ -4,7 +4,9 @@ Oracles: the bank model on patterns whose wavefront counts follow from 32 banks 
 the CUDA occupancy rules worked by hand; the launch plan against trtllm_kivi/cuda/launch.py (itself tested against the
 C++ kiviLaunchPlan in test_kernels_host.py) and the numbers the mma.sync kernel was designed from (9 splits, 576 CTAs,
 528 slots, 1.09 waves); the SASS walker on a tiny nvcc-compiled kernel whose executed counts are known from its
-source; the calibration against the hand count of the SIMT and WMMA kernels (within 20%); determinism of two runs.
+source; the calibration against the hand count of the SIMT and WMMA kernels (within 20%); determinism of two runs;
+the calibrated timing against every committed H200 timing (within 25%), a refit against the committed constants, a
+fit to one model against the other model's timings; the gate against the measured kernel's measured 1.6 TB/s.
 The compile-based tests skip with the missing tool's name when nvcc or the nvdisasm / cuobjdump wheels are absent.
 """
 
@@ -26,7 +28,7 @@ if str(ROOT) not in sys.path:  # tools/ is the repository's, not the installed p
     sys.path.insert(0, str(ROOT))
 from tools.kernel_model import __main__ as cli  # noqa: E402
 from tools.kernel_model import (analysis, append, banks, calibrate, constants, fullprec, kernels, plan,  # noqa: E402
-                                predict, report, sass, shapes, spec, timing, toolchain)
+                                predict, report, sass, shapes, spec, split, timing, toolchain)
 
 
 def _tools_or_skip() -> None:
@@ -280,10 +282,13 @@ def test_walker_counts_a_tiny_kernel(tmp_path, pragma):
 # ----------------------------------------------------------------------------------------------- today's kernels
 
 
+SPLIT_DEFAULT = next(k for k in split.SPLIT_KERNELS if k.min_arch == 80)  # the default variant's kernel
+
+
 @pytest.fixture(scope="module")
 def sm90_results():
     _tools_or_skip()
-    return analysis.analyze(archs=["sm_90"])
+    return analysis.analyze([*kernels.KERNELS, SPLIT_DEFAULT], archs=["sm_90"])
 
 
 def _h200_records(results, versions):
@@ -304,28 +309,35 @@ def test_calibration_against_the_hand_count(sm90_results):
 def test_records_have_the_contract_fields(sm90_results):
     records = _h200_records(*sm90_results)
     names = {name for name, _ in sm90_results[0]}
-    assert names == {s.name for s in kernels.KERNELS if analysis.present(s)}
-    assert len(records) == len(names) * 2 * 3 * 3
+    assert names == {s.name for s in kernels.KERNELS if analysis.present(s)} | {SPLIT_DEFAULT.name}
+    on_default = [v for v in split.VARIANTS if v.kernel == "split" and v.id and split.kernel_of(v.id) == SPLIT_DEFAULT.name]
+    assert len(records) == (len(names) - 1 + len(on_default)) * 2 * 3 * 3
     for r in records:
         assert {"gpu", "model", "batch", "context", "kernel", "default", "predicted_us", "fp16_us",
-                "speedup_vs_fp16", "bound", "ideal_us", "ideal_bound", "timing", "label"} <= set(r)
-        assert r["ideal_bound"] in ("issue", "shared", "memory")
-        if r["kernel"] == "mma":  # the measured kernel: the calibrated timing, its limit and its share of the ceiling
-            assert r["timing"].startswith("calibrated") and r["variant"] == "baseline"
+                "speedup_vs_fp16", "bound", "timing", "label", "resources", "zero_spills"} <= set(r)
+        assert r["predicted_us"] > 0 and r["fp16_us"] > 0 and r["label"] == "static model, not a measurement"
+        assert r["zero_spills"] is (r["resources"]["spill_stores"] == 0 and r["resources"]["spill_loads"] == 0)
+        assert not r["per_tile"]["unmapped_smem"], r["per_tile"]["unmapped_smem"]
+        if r["kernel"] in ("mma", SPLIT_DEFAULT.name):  # the calibrated timing, its limit and share of the ceiling
             assert r["bound"] in (*timing.CENTRES, "delay", "launch_and_combine")
-            assert 0 < r["read_fraction"] < 1 and r["predicted_us"] > r["ideal_us"] * 0.9
-            assert set(r["timed"]["chunk_classes"]) == {"quantized", "full"}
+            assert 0 < r["read_fraction"] < 1
+            assert r["timing"].startswith("calibrated" if r["kernel"] == "mma" else "uncalibrated")
+        if r["kernel"] == SPLIT_DEFAULT.name:
+            assert set(r["timed"]["chunk_classes"]) == {"quantized", "tile_first", "tile"}
+            continue
+        assert {"ideal_us", "ideal_bound"} <= set(r) and r["ideal_bound"] in ("issue", "shared", "memory")
+        if r["kernel"] == "mma":
+            assert r["variant"] == "baseline" and set(r["timed"]["chunk_classes"]) == {"quantized", "full"}
         else:
             assert r["timing"].startswith("ideal") and r["predicted_us"] == r["ideal_us"]
-        assert r["predicted_us"] > 0 and r["fp16_us"] > 0
-        assert r["zero_spills"] is (r["resources"]["spill_stores"] == 0 and r["resources"]["spill_loads"] == 0)
         assert r["resources"]["cuobjdump"]["REG"] == r["resources"]["registers"]
-        assert not r["per_tile"]["unmapped_smem"], r["per_tile"]["unmapped_smem"]
         if r["gpu"] == "H200":  # the budget: <= 880 issue slots and ~220 wavefronts per 3,072-byte tile
             assert round(r["budget_per_tile_at_85pct_copy_bw"]["warp_instructions"], -1) == 880
             assert round(r["budget_per_tile_at_85pct_copy_bw"]["wavefronts"], -1) == 220
-    assert sum(r["default"] for r in records if r["model"] == "llama-3-8b" and r["batch"] == 8
-               and r["context"] == 32768) == 1
+    for shape in {(r["model"], r["batch"], r["context"]) for r in records}:
+        default = [r for r in records if (r["model"], r["batch"], r["context"]) == shape and r["default"]]
+        assert len(default) == 1 and default[0]["variant"] == split.default_variant(
+            shapes.GPUS["H200"], shapes.MODELS[shape[0]], shape[1])
 
 
 def _headline(records: list[dict], **match) -> dict:
@@ -409,6 +421,19 @@ def test_a_fit_to_one_model_predicts_the_other(h200_setup, train):
         if m.model != train:
             p = calibrate.predict_us(m, k, h200_setup)
             assert abs(p / m.measured_us - 1) <= calibrate.TOLERANCE, (m, p)
+
+
+@pytest.mark.slow
+def test_the_split_kernels_classes_from_the_sass(sm90_results):
+    """The split kernel: a quantized chunk with stages - 1 in flight and no serial round trip; full-precision 16-key
+    tiles staged by cp.async (no per-lane line), the first prefetched, each later one a round trip."""
+    res = sm90_results[0][(SPLIT_DEFAULT.name, "sm_90")]
+    c = split.split_classes(res, shapes.MODELS["llama-3-8b"])
+    assert c["quantized"].in_flight == SPLIT_DEFAULT.stages // 4 - 1 and c["quantized"].round_trips == 0
+    assert c["quantized"].instructions == res.counts(spec.Ctx(shapes.MODELS["llama-3-8b"], True))[0].instructions
+    assert c["tile"].round_trips == 1 and c["tile_first"].round_trips == 0
+    assert c["tile"].lines == c["tile_first"].lines == 0 and c["tile"].bytes == 16 * 128 * 2 * 2
+    assert 0 < c["tile"].instructions <= c["tile_first"].instructions
 
 
 @pytest.mark.slow

@@ -1,11 +1,12 @@
-"""tools/kernel_model's timing model (timing.py, decode.py, fullprec.py): the queueing arithmetic, the phases of an SM,
-waves and launches, the measured kernel's warp assignment, the round-trip walker and the L1 line count. CPU only, no
-compiler.
+"""tools/kernel_model's timing model (timing.py, decode.py, fullprec.py, split.py): the queueing arithmetic, the phases
+of an SM, waves and launches, the measured kernel's and the split kernel's warp assignments, the round-trip walker and
+the L1 line count. CPU only, no compiler.
 
 Oracles: closed-network results that hold exactly (one warp alone takes its delay plus its demands; W warps on one
 centre with no delay share it, W x D per item -- processor sharing; throughput never exceeds the bottleneck's 1 / D,
 an item never takes less than alone); Little's law for items in flight; the streaming contract's n_q(T) from
-trtllm_kivi.format; the key ranges of kiviDecodeMma.cuh's warp assignment recomputed from its definition.
+trtllm_kivi.format; the key ranges of kiviDecodeMma.cuh's warp assignment recomputed from its definition; the split
+kernel's tiles counted from the window's length.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from trtllm_kivi.format import KiviConfig
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # tools/ is the repository's, not the installed package's
     sys.path.insert(0, str(ROOT))
-from tools.kernel_model import decode, fullprec, plan, shapes, timing  # noqa: E402
+from tools.kernel_model import decode, fullprec, plan, shapes, split, timing  # noqa: E402
 from tools.kernel_model.sass import Instr  # noqa: E402
 
 M = timing.Machine(sms=4, clock_ghz=1.0)  # 1000 cycles per us
@@ -146,3 +147,25 @@ def test_lines_touched_by_a_warp_wide_load():
     assert fullprec.lines_touched([2 * (lane % 4) * 256 + 2 * (lane // 4) for lane in range(32)], 2) == 4
     assert fullprec.lines_touched([126 + 0 * lane for lane in range(32)], 4) == 2  # one word across a line end
     assert fullprec.lines_touched([None] * 32, 4) == 0
+
+
+@pytest.mark.parametrize("model", list(shapes.MODELS))
+@pytest.mark.parametrize("batch,context", [(1, 4096), (8, 32768), (32, 131072)])
+@pytest.mark.parametrize("vid", [v.id for v in split.VARIANTS if v.kernel == "split" and v.id])
+def test_split_variants_spread_the_window(model, batch, context, vid):
+    """The split kernel's step: every quantized chunk once; the window's 16-key tiles spread over the splits and, in
+    each, over warps 3 and 2 (no warp holds more than its share); fused variants launch once."""
+    shape = shapes.MODELS[model]
+    st = split.split_step(shape, batch, context, context - 1, vid, 3, 132)
+    nq = decode.quantized_keys(context - 1, 128)
+    per_split = len(st.ctas) // max(st.combined_splits, 1)
+    splits = st.ctas[::per_split]
+    total = {c: sum(n for cta in splits for warp in cta for cls, n in warp if cls == c)
+             for c in ("quantized", "tile_first", "tile")}
+    assert total["quantized"] == nq // 32
+    tiles = -(-(context - nq) // 16)
+    assert total["tile_first"] + total["tile"] == tiles
+    assert all(dict(warp)["tile_first"] + dict(warp)["tile"] == 0 for cta in splits for warp in cta[:2])
+    most = max(dict(warp)["tile_first"] + dict(warp)["tile"] for cta in splits for warp in cta)
+    assert most == -(-tiles // (2 * len(splits)))
+    assert st.launches == (1 if split.VARIANTS[vid].fused else 3)

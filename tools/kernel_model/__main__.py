@@ -39,6 +39,7 @@ from .kernels import KERNELS
 from .predict import build_records, calibration
 from .report import HEADLINE, gate_append, gate_default_memory_bound, markdown_table, read_verdict
 from .shapes import GPUS, ROOT
+from .split import SPLIT_KERNELS
 from .toolchain import ToolMissing
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernel_model.json"
@@ -72,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not present(s):
             print(f"kernel_model: kernel {s.name!r} not in this tree ({', '.join(s.headers)} absent): skipped")
     try:
-        results, versions = analyze(list(specs) + list(APPEND_KERNELS), jobs=args.jobs)
+        results, versions = analyze(list(specs) + list(SPLIT_KERNELS) + list(APPEND_KERNELS), jobs=args.jobs)
     except ToolMissing as exc:
         print(f"kernel_model: {exc}", file=sys.stderr)
         return 2

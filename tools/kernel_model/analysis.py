@@ -66,6 +66,7 @@ class KernelAnalysis:
         self.loops = find_loops(self.blocks, self.live)
         self._name_loops()
         self._counts: dict[Ctx, tuple[Count, Count]] = {}
+        self._executed: dict[Ctx, list[tuple[Block, float, bool]]] = {}
 
     # -- loops
     def _frames(self, ins: Instr) -> set[tuple[str, int]]:
@@ -252,6 +253,8 @@ class KernelAnalysis:
     def executed(self, ctx: Ctx) -> list[tuple[Block, float, bool]]:
         """The blocks on the executed path: (block, executions per warp -- per key tile inside the tile loop, per
         CTA outside it --, inside the tile loop). Block weight x trips of the enclosing loops other than the tile's."""
+        if ctx in self._executed:
+            return self._executed[ctx]
         weights = self._weights(ctx)
         trips, scale = self._trips(ctx, weights)
         tl = self.tile_loop(weights)
@@ -264,6 +267,7 @@ class KernelAnalysis:
                 if lp.contains(b.index) and li != tl:
                     n *= trips[li]
             out.append((b, n, self.loops[tl].contains(b.index)))
+        self._executed[ctx] = out
         return out
 
     def _count(self, ctx: Ctx) -> tuple[Count, Count]:

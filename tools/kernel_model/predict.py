@@ -18,6 +18,7 @@ from .kernels import KERNELS
 from .plan import ceil_div, launch_plan, num_quantized, occupancy
 from .shapes import BATCHES, CONTEXTS, GPUS, KEY_TILE, MODELS, WARP, Gpu, ModelShape
 from .spec import Ctx
+from .split import variant_records
 
 DRAM_LATENCY_NS = 800.0  # loaded device-memory latency assumed for the bytes-in-flight check (detail only)
 # Tensor-pipe cycles of one mma.sync (HMMA, m16n8k16 or k8) per SM sub-partition, a detail reported next to the three
@@ -179,6 +180,8 @@ def calibration(records: list[dict]) -> list[dict]:
 def build_records(results: dict[tuple[str, str], KernelResult], versions: dict,
                   gpus: Sequence[str] = tuple(GPUS), models: Sequence[str] = tuple(MODELS),
                   batches: Sequence[int] = BATCHES, contexts: Sequence[int] = CONTEXTS) -> list[dict]:
+    """Every kernel of KERNELS and every split variant analysed for each GPU's arch, per shape. The default is the
+    variant the plan table picks where its kernel was analysed, else the present kernel of lowest default_rank."""
     ranked = sorted((r.spec.default_rank, r.spec.name) for r in results.values() if r.spec.default_rank is not None)
     default_name = ranked[0][1] if ranked else None
     records = []
@@ -187,13 +190,16 @@ def build_records(results: dict[tuple[str, str], KernelResult], versions: dict,
         for m in models:
             for b in batches:
                 for c in contexts:
+                    variants = variant_records(results, gpu, MODELS[m], b, c)
+                    picked = any(v["default"] for v in variants)
                     for spec in KERNELS:
                         r = results.get((spec.name, gpu.arch))
                         if r is None:
                             continue
-                        rec = predict(r, gpu, MODELS[m], b, c, spec.name == default_name)
-                        rec["tools"] = versions
-                        rec["gpu_spec"] = dataclasses.asdict(gpu)
-                        records.append(rec)
+                        records.append(predict(r, gpu, MODELS[m], b, c, spec.name == default_name and not picked))
+                    records += variants
+    for rec in records:
+        rec["tools"] = versions
+        rec["gpu_spec"] = dataclasses.asdict(GPUS[rec["gpu"]])
     calibration(records)
     return records

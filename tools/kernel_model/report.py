@@ -25,12 +25,14 @@ def read_verdict(rec: dict, measured_us: float | None = None) -> tuple[bool, str
     """(memory-bound?, why) of a decode record: its read bytes over its time against the read ceiling -- the
     measured time where one is given (a measurement wins), else the model's."""
     ceiling = rec["read_ceiling_gbps"] * 1e3  # bytes per us
-    us, source = (measured_us, "measured") if measured_us is not None else (rec["predicted_us"], "model")
+    us = measured_us if measured_us is not None else rec["predicted_us"]
     frac = rec["read_bytes"] / us / ceiling
     where = f"{rec['gpu']} / {rec['model']} / batch {rec['batch']} / {rec['context'] // 1024}K"
-    why = (f"{rec['kernel']!r} (variant {rec.get('variant')}, {rec['timing']}) at {where} reads at "
+    times = (f"measured: {us:.1f} us; " if measured_us is not None else "") + \
+        f"model: {rec['predicted_us']:.1f} us, {rec['bound']}-bound"
+    why = (f"{rec['kernel']!r} (variant {rec.get('variant')}; {rec['timing']}) at {where} reads at "
            f"{rec['read_bytes'] / us / 1e6:.2f} TB/s = {frac:.0%} of the read ceiling {ceiling / 1e6:.2f} TB/s "
-           f"({source}: {us:.1f} us; model: {rec['predicted_us']:.1f} us, {rec['bound']}-bound)")
+           f"({times})")
     return frac >= MEMORY_BOUND_FRACTION, why
 
 
@@ -48,23 +50,32 @@ def gate_default_memory_bound(records: list[dict], measured: dict[tuple, float] 
     return None if ok else f"default {why}; memory-bound needs >= {MEMORY_BOUND_FRACTION:.0%}"
 
 
+def _us(x: float) -> str:
+    return f"{x:,.0f}" if x >= 1000 else f"{x:.4g}"
+
+
 def markdown_table(records: list[dict]) -> str:
-    """One row per (GPU, model, batch, context), the kernels side by side (the default marked *)."""
-    kernels = list(dict.fromkeys(r["kernel"] for r in records))
-    default = {r["kernel"] for r in records if r["default"]}
-    head = " | ".join(f"{k}{'*' if k in default else ''} us | vs FP16 | bound" for k in kernels)
-    lines = ["Static model, not a measurement: tools/kernel_model, one decode step of one layer (attention kernels + "
-             "launches); mma = the measured kernel by the timing model calibrated on the H200 measurements (H100, "
-             "A100: those constants, uncalibrated), simt / wmma = ideal bounds; FP16 = torch SDPA's calibrated model. "
-             "* = default kernel.", "",
-             f"| GPU | model | batch | context | FP16 us | {head} |",
-             "|---|---|---:|---:|---:|" + "---:|---:|---|" * len(kernels)]
+    """One row per (GPU, model, batch, context); a column per kernel or decode variant: its time and limit (the
+    default marked *)."""
+    key = [r.get("variant") or r["kernel"] for r in records]
+    kernels = list(dict.fromkeys(key))
     rows: dict[tuple, dict[str, dict]] = {}
-    for r in records:
-        rows.setdefault((r["gpu"], r["model"], r["batch"], r["context"]), {})[r["kernel"]] = r
+    default: dict[tuple, str] = {}
+    for k, r in zip(key, records, strict=True):
+        shape = (r["gpu"], r["model"], r["batch"], r["context"])
+        rows.setdefault(shape, {})[k] = r
+        if r["default"]:
+            default[shape] = k
+    lines = ["Static model, not a measurement: tools/kernel_model, one decode step of one layer (attention kernels + "
+             "launches), µs (limit). baseline = the measured kernel, timed by the model calibrated on the H200 "
+             "measurements (H100, A100: those constants, uncalibrated); split* = the split kernel's variants, "
+             "uncalibrated (no GPU has timed them); simt / wmma = ideal bounds; FP16 = torch SDPA's calibrated model. "
+             "* = the variant the plan picks.", "",
+             f"| GPU | model | batch | context | FP16 | {' | '.join(kernels)} |",
+             "|---|---|---:|---:|---:|" + "---:|" * len(kernels)]
     for (g, m, b, c), by in rows.items():
         fp16 = next(iter(by.values()))["fp16_us"]
-        cells = " | ".join(f"{by[k]['predicted_us']:g} | {by[k]['speedup_vs_fp16']:g}x | {by[k]['bound']}"
-                           if k in by else "- | - | -" for k in kernels)
-        lines.append(f"| {g} | {m} | {b} | {c // 1024}K | {fp16:g} | {cells} |")
+        cells = " | ".join(f"{_us(by[k]['predicted_us'])}{'*' if default.get((g, m, b, c)) == k else ''} "
+                           f"({by[k]['bound']})" if k in by else "-" for k in kernels)
+        lines.append(f"| {g} | {m} | {b} | {c // 1024}K | {_us(fp16)} | {cells} |")
     return "\n".join(lines) + "\n"
