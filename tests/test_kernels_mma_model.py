@@ -195,3 +195,56 @@ def test_tolerance_catches_a_wrong_fragment(monkeypatch):
     monkeypatch.setattr(fragments, "register_of", swapped)
     with pytest.raises(AssertionError, match="max err/tol"):
         run_steps(cfg, 4, 1, 64, torch.float16, [[1]], history=[200], num_blocks=4, mbs=2)
+
+
+def _attend_poisoned(step: tuple, buf: KiviBuffers, poison: dict[int, int], sms: int) -> torch.Tensor:
+    """split_model.attention of a one-token step (decode mode) with window row poison[b] of slot b set to K = 0 (a
+    score of 0: a weight comparable to the others'), V = 1000."""
+    q, k, v, slots, past, table, cfg = step
+    b2 = buf.clone()
+    for b, row in poison.items():
+        b2.k_window[b, :, row] = 0.0
+        b2.v_window[b, :, row] = 1000.0
+    ones = torch.ones(len(past), dtype=torch.int32)
+    out, plan, flag = split_model.attention(q, k, v, slots, past, ones, table, b2, cfg, max_chunk_len=1,
+                                            num_sms=sms, decode_variant=SPLIT)
+    assert flag == 0 and plan.decode_mode == 1 and (plan.num_splits > 2) == (sms > 1)
+    return out
+
+
+@pytest.mark.parametrize("sinks, r, sms", [(0, 32, 1000), (4, 32, 1), (5, 0, 1000)])
+def test_one_token_step_never_reads_the_row_the_decode_kernel_writes(sinks, r, sms):
+    """Fused variants write the window row of a one-token chunk that flushes nothing from the decode kernel, while
+    other CTAs of the same step still read the window (kiviDecodeSplit.cuh; kiviPrepareKernel's windowWritten:
+    valid, chunk 1, n_q(s + 1) == n_q(s)). Oracle: the streaming contract -- that row (token s - W's, or a new sink
+    row) holds nothing this step attends to -- checked on the split kernel's own key -> window-row mapping: a
+    poisoned row there leaves every output bit unchanged, while the same poison in the row of token s - 1 (the
+    control, where the window holds it) changes the output. Histories cover the sinks, the last non-flush length
+    before a flush (W - 1 window keys) and a flush; with R = 0 the window empties at a flush."""
+    from trtllm_kivi.reference.attention import append as ref_append
+    g = 32
+    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=g, residual_length=r, block_size=64, sink_tokens=sinks)
+    flush = sinks + r + g  # past length S + R + kG - 1 flushes on its next token
+    hist = [max(sinks - 2, 1), flush + g - 2, flush + g - 1, sinks + r + 5]
+    torch.manual_seed(0)
+    batch, h, hkv, d = len(hist), 8, 2, 64
+    buf = KiviBuffers.allocate(cfg, hkv, d, 64, batch, torch.float16)
+    table = torch.randperm(64)[: batch * 16].reshape(batch, 16).int()
+    slots = torch.arange(batch).int()
+    for b, n in enumerate(hist):
+        ref_append(buf, cfg, b, table[b], 0, torch.randn(hkv, n, d).half(), torch.randn(hkv, n, d).half())
+    for step in range(2):
+        lens = [n + step for n in hist]
+        q, k, v = torch.randn(batch, h, d).half(), torch.randn(batch, hkv, d).half(), torch.randn(batch, hkv, d).half()
+        inputs = (q, k, v, slots, torch.tensor(lens).int(), table, cfg)
+        written = {b: cfg.window_row(s) for b, s in enumerate(lens)
+                   if cfg.num_quantized(s + 1) == cfg.num_quantized(s)}
+        assert len(written) >= batch - 1  # every history but the flushing one
+        clean = _attend_poisoned(inputs, buf, {}, sms)
+        assert torch.equal(_attend_poisoned(inputs, buf, written, sms), clean)
+        held = [b for b, s in enumerate(lens) if s - 1 < sinks or s - 1 >= sinks + cfg.num_quantized(s)]
+        assert len(held) >= batch - 1  # token s - 1 is in the window (with R = 0 not right after a flush)
+        control = _attend_poisoned(inputs, buf, {b: cfg.window_row(lens[b] - 1) for b in held}, sms)
+        assert all(not torch.equal(control[b], clean[b]) for b in held)
+        for b in range(batch):
+            ref_append(buf, cfg, b, table[b], lens[b], k[b:b + 1].transpose(0, 1), v[b:b + 1].transpose(0, 1))
