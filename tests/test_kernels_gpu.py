@@ -422,6 +422,68 @@ def test_occupancy_query_and_whole_waves(lib):
                 assert cps == launch.launch_plan(cfg, 32, 8, 128, 8, 8, 300, 1, 32768, sms).ctas_per_sm == 3
 
 
+def _launch_with_workspace(lib: _abi.KiviLibrary, params: _abi.KiviStepParams, ws: torch.Tensor, phase: int) -> None:
+    """Launch on the current stream with the caller's workspace (its contents left as they are)."""
+    params.workspace, params.workspaceSize = ws.data_ptr(), ws.numel()
+    rc = lib.launch(params, torch.cuda.current_stream().cuda_stream, phase)
+    assert rc == 0, f"launch failed: cudaError_t {rc} {lib.last_error()}"
+
+
+@pytest.mark.parametrize("variant", [2, 5], ids=["split", "split-1wave"])
+def test_fused_merge_with_a_dirty_workspace_and_graph_replays(lib, variant):
+    """The fused merge's arrival counters live in the workspace (TensorRT's scratch, shared with other layers): the
+    prepare kernel zeroes them every step, and the decode kernel (a programmatic dependent on sm_90) touches them,
+    seqInfo and the partials only after griddepcontrol.wait. The workspace is filled with nonzero bytes before every
+    launch (counters 0x01010101 or -1: a missed or late zeroing leaves no CTA the last, and out keeps its NaN
+    sentinel): decode steps crossing a flush (out vs the reference, the cache bit-exact), then one step's attention
+    captured in a CUDA graph (the programmatic launches become graph edges) and replayed with the workspace refilled
+    between replays: out bit-identical to the eager launch each time."""
+    from trtllm_kivi.cuda.ops import make_params
+    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=32, block_size=128)
+    pair = Pair(cfg, 32, 8, 128, torch.float16, batch=3, mbs=12, seed=variant)
+    pair.fill_history([1300, 40, 150])  # flushes after 11, 23 and 9 decode steps
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for i in range(12):
+        q, k, v = pair.randn(3, 32, 128), pair.randn(3, 8, 128), pair.randn(3, 8, 128)
+        past, chunk = torch.tensor(pair.lens).int(), torch.ones(3, dtype=torch.int32)
+        tol = mma_model.step_tolerance(pair.ref, cfg, q, k, v, pair.slots, past, chunk, pair.table)
+        want = kivi_attention_(q, k, v, pair.slots, past, chunk, pair.table, pair.ref, cfg)
+        out = torch.full((3, 32, 128), float("nan"), dtype=torch.float16, device="cuda")
+        dev = [x.cuda() for x in (q, k, v, pair.slots, past, chunk, pair.table)]
+        params = make_params(*dev[:3], out, *dev[3:], pair.gpu, cfg, max_chunk_len=1, num_sms=sms,
+                             decode_variant=variant)
+        plan = lib.launch_plan(params)
+        assert plan["decode_mode"] == 1 and plan["fused_combine"] == 1, plan
+        ws = torch.full((lib.workspace_size(params),), 0xFF if i % 2 else 0x01, dtype=torch.uint8, device="cuda")
+        _launch_with_workspace(lib, params, ws, _abi.PHASE_STEP)
+        torch.cuda.synchronize()
+        assert_attention_close(out, want, tol, f"decode step {i} after {pair.lens} with a dirty workspace")
+        assert_buffers_equal(pair.gpu, pair.ref, f"decode step {i} with a dirty workspace")
+        pair.lens = [n + 1 for n in pair.lens]
+    # one step's attention (no cache writes) in a CUDA graph
+    q, k, v = pair.randn(3, 32, 128), pair.randn(3, 8, 128), pair.randn(3, 8, 128)
+    past, chunk = torch.tensor(pair.lens).int(), torch.ones(3, dtype=torch.int32)
+    dev = [x.cuda() for x in (q, k, v, pair.slots, past, chunk, pair.table)]
+    out = torch.full((3, 32, 128), float("nan"), dtype=torch.float16, device="cuda")
+    params = make_params(*dev[:3], out, *dev[3:], pair.gpu, cfg, max_chunk_len=1, num_sms=sms,
+                         decode_variant=variant)
+    ws = torch.full((lib.workspace_size(params),), 0x01, dtype=torch.uint8, device="cuda")
+    _launch_with_workspace(lib, params, ws, _abi.PHASE_ATTENTION)
+    torch.cuda.synchronize()
+    eager = out.clone()
+    assert not bool(eager.isnan().any())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _launch_with_workspace(lib, params, ws, _abi.PHASE_ATTENTION)
+    for fill in (0x01, 0xFF, 0x7F):
+        ws.fill_(fill)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), f"graph replay with workspace bytes {fill:#x} differs from the eager launch"
+    assert_buffers_equal(pair.gpu, pair.ref, "after attention-only launches")
+
+
 @pytest.mark.parametrize("gqa, dtype", [(4, torch.float16), (3, torch.bfloat16), (1, torch.float16)])
 def test_unhinted_chunk_bound_runs_both_kernels(lib, gqa, dtype):
     """The TensorRT plugin passes max_chunk_len = 0 (any chunk up to num_tokens): a decode batch of 40 then has a
