@@ -145,7 +145,8 @@ def held_out(ms: Sequence[Measurement], s: Setup, key: Callable[[Measurement], o
     for group in sorted({key(m) for m in ms}, key=str):
         train = [m for m in ms if key(m) != group]
         k = fit(train, s)
-        fits[str(group)] = {n: round(getattr(k, n), 4) for n in asdict(k)}
+        label = " ".join(str(x) for x in group) if isinstance(group, tuple) else str(group)
+        fits[f"without {label}"] = {n: round(getattr(k, n), 4) for n in asdict(k)}
         for i, m in enumerate(ms):
             if key(m) == group:
                 preds[i] = predict_us(m, k, s)
