@@ -73,5 +73,5 @@ def test_logits_and_kivi_cache_match_transformers_on_the_same_gguf(ours):
     for kv in ("fp16", "kivi2"):
         cache = KiviCache(hf, kv, max_seq_len=256)
         with torch.inference_mode():
-            out = hf.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False)
+            out = hf.generate(ids, cache=cache, max_new_tokens=16, do_sample=False)
         assert out[0, ids.shape[1]:].tolist() == ours["greedy"][kv], kv
