@@ -137,32 +137,40 @@ def throughput_bodies(n: int = 32, prompt_tokens: int = 128, out_tokens: int = 6
     return bodies
 
 
-def offline(bodies: list[dict], prefix: bool = True) -> dict:
-    """The offline scheduler at the server's settings: every request submitted at once, aggregate tokens/s."""
-    import torch
+class Offline:
+    """The offline scheduler at the server's settings in this process: `run(bodies)` submits every request at once
+    and reports the aggregate tokens/s."""
 
-    from trtllm_kivi.models import load_model
-    from trtllm_kivi.runtime.kvspec import parse_kv
-    from trtllm_kivi.runtime.sampling import SamplingParams
-    from trtllm_kivi.runtime.scheduler import Scheduler
-    from trtllm_kivi.runtime.torch_runner import TorchRunner
+    def __init__(self, prefix: bool = True) -> None:
+        import torch
 
-    torch.set_num_threads(THREADS)
-    model, tok, _ = load_model(MODEL, "float32")
-    runner = TorchRunner.create(model, parse_kv("kivi2"), SLOTS, MAX_SEQ_LEN)
-    sched = Scheduler(runner, tok, max_batch_tokens=512, prefill_chunk=128, prefix_caching=prefix)
-    prompts = [tok.encode(tok.apply_chat_template(b["messages"]), add_special_tokens=False) for b in bodies]
-    sched.generate([prompts[0]], SamplingParams(max_new_tokens=2))  # warm-up
-    t = time.perf_counter()
-    reqs = [sched.submit(p, SamplingParams(max_new_tokens=b["max_tokens"])) for p, b in zip(prompts, bodies,
-                                                                                         strict=True)]
-    sched.run_until_idle()
-    wall = time.perf_counter() - t
-    tokens = sum(len(r.tokens) for r in reqs)
-    ttft = [r.first_token_time - r.arrival_time for r in reqs if r.first_token_time]
-    return {"requests": len(reqs), "wall_s": round(wall, 3), "output_tokens": tokens,
-            "output_tokens_per_s": round(tokens / wall, 3), "steps": sched.steps,
-            "ttft_s_median": round(statistics.median(ttft), 3), "texts": [r.text for r in reqs]}
+        from trtllm_kivi.models import load_model
+        from trtllm_kivi.runtime.kvspec import parse_kv
+        from trtllm_kivi.runtime.sampling import SamplingParams
+        from trtllm_kivi.runtime.scheduler import Scheduler
+        from trtllm_kivi.runtime.torch_runner import TorchRunner
+
+        torch.set_num_threads(THREADS)
+        model, self.tok, _ = load_model(MODEL, "float32")
+        runner = TorchRunner.create(model, parse_kv("kivi2"), SLOTS, MAX_SEQ_LEN)
+        self.sched = Scheduler(runner, self.tok, max_batch_tokens=512, prefill_chunk=128, prefix_caching=prefix)
+        self.params = SamplingParams
+        self.sched.generate([self.tok.encode("Hello")], SamplingParams(max_new_tokens=2))  # warm-up
+
+    def run(self, bodies: list[dict]) -> dict:
+        tok, sched = self.tok, self.sched
+        prompts = [tok.encode(tok.apply_chat_template(b["messages"]), add_special_tokens=False) for b in bodies]
+        steps = sched.steps
+        t = time.perf_counter()
+        reqs = [sched.submit(p, self.params(max_new_tokens=b["max_tokens"])) for p, b in zip(prompts, bodies,
+                                                                                           strict=True)]
+        sched.run_until_idle()
+        wall = time.perf_counter() - t
+        tokens = sum(len(r.tokens) for r in reqs)
+        ttft = [r.first_token_time - r.arrival_time for r in reqs if r.first_token_time]
+        return {"requests": len(reqs), "wall_s": round(wall, 3), "output_tokens": tokens,
+                "output_tokens_per_s": round(tokens / wall, 3), "steps": sched.steps - steps,
+                "ttft_s_median": round(statistics.median(ttft), 3), "texts": [r.text for r in reqs]}
 
 
 def triton_door(bodies: list[dict], clients: int, env_dir: str | None) -> dict:
@@ -223,74 +231,106 @@ def triton_door(bodies: list[dict], clients: int, env_dir: str | None) -> dict:
             "texts": [tok.decode(r.ids) if r is not None else None for r in results]}
 
 
-def llama_server(path: str, bodies: list[dict], clients: list[int]) -> dict:
-    """llama-server on the same GGUF, SLOTS slots of MAX_SEQ_LEN tokens each, THREADS threads, 127.0.0.1."""
-    from trtllm_kivi.models.loaders import resolve_model
-    from trtllm_kivi.serving import free_port
+class LlamaServer:
+    """llama-server on the same GGUF: SLOTS slots of MAX_SEQ_LEN tokens each, THREADS threads, 127.0.0.1."""
 
-    port = free_port()
-    cmd = [path, "-m", str(resolve_model(MODEL)), "--host", "127.0.0.1", "--port", str(port), "-np", str(SLOTS),
-           "-c", str(SLOTS * MAX_SEQ_LEN), "-t", str(THREADS), "--no-webui", "-a", MODEL]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    out: dict = {"command": " ".join(["llama-server", *cmd[1:]]).replace(str(resolve_model(MODEL)), "GGUF")}
-    try:
+    def __init__(self, path: str) -> None:
+        from trtllm_kivi.models.loaders import resolve_model
+        from trtllm_kivi.serving import free_port
+
+        self.port = free_port()
+        gguf = str(resolve_model(MODEL))
+        cmd = [path, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port), "-np", str(SLOTS),
+               "-c", str(SLOTS * MAX_SEQ_LEN), "-t", str(THREADS), "--no-webui", "-a", MODEL]
+        self.command = " ".join(["llama-server", *cmd[1:]]).replace(gguf, "<SmolLM2-135M-Instruct.Q4_1.gguf>")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             try:
-                if get("127.0.0.1", port, "/health", timeout=2)[0] == 200:
-                    break
+                if get("127.0.0.1", self.port, "/health", timeout=2)[0] == 200:
+                    return
             except OSError:
                 pass
             time.sleep(0.5)
-        run_clients("127.0.0.1", port, "/v1/chat/completions", bodies[:1], 1)  # warm-up
-        for c in clients:
-            res = run_clients("127.0.0.1", port, "/v1/chat/completions", bodies, c)
-            out[f"clients_{c}"] = figures(res) | {"texts": [r.text if r else None for r in res["replies"]]}
-            print("llama-server", c, json.dumps({k: v for k, v in out[f"clients_{c}"].items() if k != "texts"}),
-                  flush=True)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-    return out
+        self.stop()
+        raise RuntimeError("llama-server did not become healthy")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+def _texts(res: dict) -> list:
+    return [r.text if r is not None else None for r in res["replies"]]
+
+
+def _same(a: list, b: list) -> str:
+    return f"{sum(x == y and x is not None for x, y in zip(a, b, strict=True))}/{len(a)}"
 
 
 def part_throughput(args) -> dict:
-    bodies = throughput_bodies()
+    """Rounds of: the offline scheduler (all requests at once), then each door under each client count, the engines
+    kept up between rounds, so load drift on a shared machine hits them alike; medians over the rounds."""
+    bodies = throughput_bodies(args.requests)
+    one = bodies[:args.single_requests]  # one client: fewer requests (the same ones for every engine)
     result: dict = {"benchmark": "serving_throughput", "requests": len(bodies), "slots": SLOTS, "threads": THREADS,
                     "kv": "kivi2", "prompt_tokens": "~128 (chat template included)", "output_tokens": 64,
-                    "sampling": "greedy, EOS ignored", "load_average_before": load()}
-    off = offline(bodies)
-    result["offline_scheduler"] = {k: v for k, v in off.items() if k != "texts"}
-    print("offline", json.dumps(result["offline_scheduler"]), flush=True)
-    ours: dict = {}
-    with ServeProcess(serve_args(True)) as s:
-        run_clients("127.0.0.1", s.port, "/v1/chat/completions", bodies[:1], 1)  # warm-up
-        for c in args.clients:
-            res = run_clients("127.0.0.1", s.port, "/v1/chat/completions", bodies, c)
-            ours[f"clients_{c}"] = figures(res)
-            texts = [r.text if r else None for r in res["replies"]]
-            ours[f"clients_{c}"]["outputs_equal_offline"] = f"{sum(a == b for a, b in zip(texts, off['texts'], strict=True))}/{len(bodies)}"
-            print("serve", c, json.dumps(ours[f"clients_{c}"]), flush=True)
-        ours["server_exit_code"] = s.stop()
-    result["openai_door"] = ours
-    top = f"clients_{max(args.clients)}"
-    result["openai_over_offline"] = round(ours[top]["output_tokens_per_s"] / off["output_tokens_per_s"], 3)
+                    "sampling": "greedy, EOS ignored", "rounds": args.rounds,
+                    "one_client_requests": len(one), "load_average_before": load()}
+    off = Offline()
+    ours_proc = ServeProcess(serve_args(True)).start()
+    llama = LlamaServer(args.llama_server) if args.llama_server else None
+    runs: dict[str, list[dict]] = {}
+    ref_texts: list = []
+
+    def record(name: str, res: dict, texts: list) -> None:
+        fig = {k: v for k, v in figures(res).items() if k != "texts"}
+        if ref_texts and texts:
+            fig["outputs_equal_offline"] = _same(texts, ref_texts[:len(texts)])
+        runs.setdefault(name, []).append(fig | {"load_average": load()})
+        print(name, json.dumps(fig), flush=True)
+
+    try:
+        for port in (ours_proc.port, llama.port if llama else None):
+            if port:
+                run_clients("127.0.0.1", port, "/v1/chat/completions", bodies[:2], 2)  # warm-up
+        for _ in range(args.rounds):
+            res = off.run(bodies)
+            ref_texts[:] = res["texts"]
+            record("offline_scheduler", res, res["texts"])
+            for c in args.clients:
+                data = one if c == 1 else bodies
+                for name, port in (("serve", ours_proc.port), ("llama_server", llama.port if llama else None)):
+                    if port:
+                        res = run_clients("127.0.0.1", port, "/v1/chat/completions", data, c)
+                        record(f"{name}_clients_{c}", res, _texts(res) if name == "serve" else [])
+        result["serve_exit_code"] = ours_proc.stop()
+    finally:
+        ours_proc.stop()
+        if llama:
+            result["llama_server_command"] = llama.command
+            llama.stop()
+    med = {k: {"output_tokens_per_s": statistics.median(r["output_tokens_per_s"] for r in v),
+               "ttft_s_median": statistics.median(r["ttft_s_median"] for r in v),
+               "failed": sum(r.get("failed", 0) for r in v)} for k, v in runs.items()}
+    result["runs"], result["medians"] = runs, med
+    top = max(args.clients)
+    base = med["offline_scheduler"]["output_tokens_per_s"]
+    result["serve_over_offline"] = round(med[f"serve_clients_{top}"]["output_tokens_per_s"] / base, 3)
+    if llama:
+        result["serve_over_llama_server"] = {
+            f"clients_{c}": round(med[f"serve_clients_{c}"]["output_tokens_per_s"]
+                                  / med[f"llama_server_clients_{c}"]["output_tokens_per_s"], 3) for c in args.clients}
     if "triton" in args.doors:
-        tri = triton_door(bodies, max(args.clients), args.triton_env)
+        tri = triton_door(bodies, top, args.triton_env)
         if "texts" in tri:
-            tri["outputs_equal_offline"] = f"{sum(a == b for a, b in zip(tri.pop('texts'), off['texts'], strict=True))}/{len(bodies)}"
+            tri["outputs_equal_offline"] = _same(tri.pop("texts"), ref_texts)
+        after = off.run(bodies)  # the offline scheduler again, next to the Triton door's run
+        tri["offline_scheduler_after"] = {k: v for k, v in after.items() if k != "texts"}
         result["triton_door"] = tri
         if "output_tokens_per_s" in tri:
-            result["triton_over_offline"] = round(tri["output_tokens_per_s"] / off["output_tokens_per_s"], 3)
+            result["triton_over_offline_after"] = round(tri["output_tokens_per_s"] / after["output_tokens_per_s"], 3)
         print("triton", json.dumps(tri), flush=True)
-    if args.llama_server:
-        ll = llama_server(args.llama_server, bodies, args.clients)
-        for k in list(ll):
-            if k.startswith("clients_"):
-                ll[k].pop("texts", None)
-        result["llama_server"] = ll
-        result["ours_over_llama_server"] = {k: round(ours[k]["output_tokens_per_s"] / ll[k]["output_tokens_per_s"], 3)
-                                            for k in ours if k.startswith("clients_") and k in ll}
     result["load_average_after"] = load()
     return result
 
@@ -376,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", nargs="+", default=["prefix", "throughput", "quality"],
                     choices=["prefix", "throughput", "quality"])
     ap.add_argument("--clients", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--requests", type=int, default=32, help="throughput requests (a smaller number: a smoke run)")
+    ap.add_argument("--single-requests", type=int, default=8, help="requests of the one-client runs")
+    ap.add_argument("--rounds", type=int, default=2, help="throughput rounds (medians reported)")
     ap.add_argument("--doors", nargs="+", default=["openai", "triton"], choices=["openai", "triton"])
     ap.add_argument("--llama-server", help="path of a llama-server binary (llama.cpp), run side by side")
     ap.add_argument("--triton-env", help="the serving env for the Triton door (default: $TRTLLM_KIVI_TRITON_ENV)")
@@ -392,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         res["machine"] = machine_info(threads=THREADS)
         res["model"] = f"{MODEL} (SmolLM2-135M-Instruct, Q4_1 GGUF weights dequantized to fp32)"
         name = "serving_prefix_quality_smollm2" if part == "quality" else f"serving_{part}_{machine_tag()}"
+        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
         path = Path(args.out_dir) / f"{name}.json"  # quality does not depend on the machine (recorded inside)
         path.write_text(json.dumps(res, indent=2) + "\n")
         print(f"wrote {path}", flush=True)
