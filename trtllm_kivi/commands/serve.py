@@ -60,7 +60,6 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} must be in [0, 65535]")
     cfg = serving_config(args)  # the same checks and runner as `trtllm-kivi triton`
-    cfg.prefix_caching = not args.no_prefix_caching
     name = args.served_model_name or (Path(args.engine).resolve().name if args.engine else
                                       Path(args.model).name if Path(args.model).exists() else args.model)
     runner, tokenizer = load_runner(cfg)

@@ -34,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flags.add_device(p)
     flags.add_threads(p, "--num-threads")  # --num-threads: the old name
     flags.add_backend(p)
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not share cached prompt prefixes")
     p.add_argument("--force", action="store_true", help="replace an existing model folder of that name")
     p.add_argument("--launch", action="store_true", help="then start tritonserver on the repository (127.0.0.1, "
                    "free ports) from the serving env and serve until Ctrl-C")
@@ -63,7 +64,8 @@ def serving_config(args: argparse.Namespace) -> ServingConfig:
                          dtype=args.dtype, device=args.device, max_slots=args.max_batch_size,
                          max_seq_len=args.max_seq_len, num_blocks=args.num_blocks, prefill_chunk=args.prefill_chunk,
                          max_batch_tokens=args.max_num_tokens, default_max_tokens=args.default_max_tokens,
-                         num_threads=args.threads, attention_backend=args.attention_backend)
+                         num_threads=args.threads, attention_backend=args.attention_backend,
+                         prefix_caching=not args.no_prefix_caching)
 
 
 def run(args: argparse.Namespace) -> int:
