@@ -451,22 +451,30 @@ def test_launcher_exit_status_follows_the_server_after_hostile_bodies(tmp_path):
     import time
 
     cmd = [sys.executable, "-m", "trtllm_kivi.cli", "triton", "--model", "smollm2-135m", "-o", str(tmp_path / "repo"),
-           "--launch", "--max-batch-size", "2", "--max-seq-len", "64", "--threads", "1", "--kv", KV,
-           "--residual-length", "32", "--triton-env", str(TRITON_ENV.root)]
+           "--launch", "--max-batch-size", "2", "--max-seq-len", "192", "--threads", "1", "--kv", KV,
+           "--residual-length", "32", "--block-size", "32", "--triton-env", str(TRITON_ENV.root)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=Path(__file__).resolve().parent.parent)
     try:
-        url, lines = None, []
+        url, metrics_url, lines = None, None, []
         deadline = time.monotonic() + 300
         while url is None and time.monotonic() < deadline:
             line = proc.stdout.readline()
             if not line:
                 break
             lines.append(line)
-            m = re.search(r"HTTP (127\.0\.0\.1:\d+)", line)
-            url = m.group(1) if m else None
+            m = re.search(r"HTTP (127\.0\.0\.1:\d+).*metrics (127\.0\.0\.1:\d+)", line)
+            url, metrics_url = (m.group(1), m.group(2)) if m else (None, None)
         assert url, "".join(lines)
         good = b'{"text_input": "Hi", "max_tokens": 2}'
+        # prefix sharing works through this door too: the second prompt reuses the first one's kept blocks
+        system = "You are a helpful assistant for a bakery. " * 10
+        for q in ("What is bread?", "What is a croissant?"):
+            assert _post_raw(url, json.dumps({"text_input": system + q, "max_tokens": 2}).encode())[0] == 200
+        with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        hits = re.search(r"^trtllm_kivi_prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M)
+        assert hits and float(hits.group(1)) >= 1, text[-3000:]
         for raw in TYPE_ERRORS:
             status, body = _post_raw(url, raw)
             assert status is not None and 400 <= status < 600 and status != 200, (raw, status, body)

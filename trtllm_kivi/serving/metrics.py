@@ -1,4 +1,5 @@
-"""The served model's own Prometheus metrics: KV cache usage (slots, blocks, bytes), queue, tokens and tokens/s.
+"""The served model's own Prometheus metrics: KV cache usage (slots, blocks, bytes), queue, tokens and tokens/s, the
+prefix cache's hits.
 
 `snapshot(scheduler)` computes the values (plain Python, tested without a server); inside Triton, `TritonMetrics`
 publishes them through the python backend's custom metrics API (pb_utils.MetricFamily), so they appear on Triton's
@@ -32,6 +33,11 @@ METRICS = {
     "prompt_tokens_total": ("counter", "prompt tokens processed"),
     "generation_tokens_total": ("counter", "tokens generated"),
     "requests_finished_total": ("counter", "requests finished, by reason (length, stop, cancelled, error)"),
+    "kv_blocks_cached": ("gauge", "KV blocks the prefix cache keeps (shared or evictable)"),
+    "prefix_cache_queries_total": ("counter", "requests looked up in the prefix cache"),
+    "prefix_cache_hits_total": ("counter", "requests that reused a cached prefix"),
+    "prefix_cache_hit_tokens_total": ("counter", "prompt tokens whose state came from the prefix cache"),
+    "prefix_cache_evictions_total": ("counter", "prefix cache entries evicted"),
 }
 FINISH_REASONS = ("length", "stop", "cancelled", "error")
 
@@ -45,7 +51,18 @@ def snapshot(scheduler: Scheduler) -> dict[str, float | dict[str, float]]:
             "requests_waiting": scheduler.num_waiting, "requests_running": scheduler.num_running,
             "scheduler_steps_total": scheduler.steps, "prompt_tokens_total": scheduler.prompt_tokens,
             "generation_tokens_total": scheduler.generated_tokens,
-            "requests_finished_total": {r: scheduler.finished_requests.get(r, 0) for r in FINISH_REASONS}}
+            "requests_finished_total": {r: scheduler.finished_requests.get(r, 0) for r in FINISH_REASONS},
+            **_prefix(scheduler)}
+
+
+def _prefix(scheduler: Scheduler) -> dict[str, float]:
+    pc = scheduler.prefix
+    if pc is None:
+        return {"kv_blocks_cached": 0, "prefix_cache_queries_total": 0, "prefix_cache_hits_total": 0,
+                "prefix_cache_hit_tokens_total": 0, "prefix_cache_evictions_total": 0}
+    return {"kv_blocks_cached": pc.cached_blocks if pc.kivi else 0, "prefix_cache_queries_total": pc.queries,
+            "prefix_cache_hits_total": pc.hits, "prefix_cache_hit_tokens_total": pc.hit_tokens,
+            "prefix_cache_evictions_total": pc.evictions}
 
 
 class TokenRate:

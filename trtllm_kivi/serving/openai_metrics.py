@@ -85,19 +85,8 @@ class ServerMetrics:
                 family(name, kind, help_, [f'{name}{{reason="{k}"}} {v}' for k, v in value.items()])
             else:
                 family(name, kind, help_, [f"{name} {value}"])
-        pc = s.prefix
-        family("kv_blocks_cached", "gauge", "KV blocks the prefix cache keeps (shared or evictable)",
-               [f"kv_blocks_cached {pc.cached_blocks if pc is not None and pc.kivi else 0}"])
         family("kv_bytes_per_token", "gauge", "KV cache bytes per token as stored, all layers",
                [f"kv_bytes_per_token {kv_bytes_per_token(s)!r}"])
-        for name, help_, v in (("prefix_cache_queries_total", "requests looked up in the prefix cache",
-                                pc.queries if pc else 0),
-                               ("prefix_cache_hits_total", "requests that reused a cached prefix", pc.hits if pc else 0),
-                               ("prefix_cache_hit_tokens_total", "prompt tokens whose state came from the prefix "
-                                "cache", pc.hit_tokens if pc else 0),
-                               ("prefix_cache_evictions_total", "prefix cache entries evicted",
-                                pc.evictions if pc else 0)):
-            family(name, "counter", help_, [f"{name} {v}"])
         with self._lock:
             for name, (help_, _) in self.HISTOGRAMS.items():
                 family(name, "histogram", help_, self.hist[name].lines(name))
