@@ -10,12 +10,13 @@ bash build_scripts/install.sh --test
 bash build_scripts/build_cpu_kernels.sh --jobs 2 --bench  # CI tests the native CPU kernels (and compiles the inner-loop microbenchmark): a build failure fails here
 bash build_scripts/build_plugin.sh --arch "${KIVI_CUDA_ARCHS:-90}" --jobs 2
 # the static SASS performance model of the decode and append kernels (sm_90 + sm_80 cubins; tools/kernel_model/README.md),
-# its decode timing calibrated against the committed GPU measurements. Its gates fail the run -- after the tests, which
-# still run -- when the default decode variant reads at < 80% of the read ceiling at Llama-3-8B, batch 8, 32K on H200
-# (measured where a committed measurement of it exists, else by the calibrated model), or the append (quantize-and-
-# store) kernel is predicted below 80% of copy bandwidth for prefill chunks of >= 4K.
+# its decode timing calibrated against the committed GPU measurements. Its gate fails the run -- after the tests, which
+# still run -- when the default decode variant is slower than the measured baseline kernel at Llama-3-8B, batch 8, 32K
+# on H200 (its own committed measurement where one exists, else the calibrated model). The speed targets (decode at
+# >= 80% of the read ceiling, the append at >= 80% of copy bandwidth) are judged by GPU measurements, never by the
+# model: its verdict lines print where each stands.
 model_status=0
-.venv/bin/python -m tools.kernel_model --fail-if-default-not-memory-bound --fail-if-append-below-copy-bw || model_status=$?
+.venv/bin/python -m tools.kernel_model --fail-if-default-regresses || model_status=$?
 TRTLLM_KIVI_TRITON_ENV="$(bash build_scripts/setup_triton_env.sh | tail -n 1)"
 export TRTLLM_KIVI_TRITON_ENV
 # lint and types first (pyproject.toml: ruff default + B, UP, SIM; mypy): a finding fails the run

@@ -378,6 +378,26 @@ def test_the_gate_fails_the_measured_kernel(sm90_results):
     assert "'mma'" in report.gate_default_memory_bound(as_default)
 
 
+@pytest.mark.slow
+def test_ci_gate_fails_a_default_slower_than_the_measured_kernel(sm90_results):
+    """The CI gate: the default variant at the headline shape must not be slower than the measured baseline kernel
+    (127.8 us on the H200) -- its own measurement where one exists, else the calibrated model. It passes today's
+    default (the model puts the split kernel below the baseline) and fails a default made slower, by measurement or
+    by the model, and one with nothing to compare against."""
+    records = _h200_records(*sm90_results)
+    measured = calibrate.measured_attention(calibrate.load_measurements())
+    base_us = measured[(*report.HEADLINE, "baseline")]
+    default = _headline(records, default=True)
+    assert default["predicted_us"] < base_us
+    assert report.gate_default_no_regression(records, measured) is None
+    key = (*report.HEADLINE, default["variant"])
+    slower = report.gate_default_no_regression(records, {**measured, key: base_us * 1.1})
+    assert slower is not None and "slower than the measured baseline" in slower and "measured" in slower
+    modelled = [dict(r, predicted_us=base_us * 1.2) if r is default else r for r in records]
+    assert "model" in report.gate_default_no_regression(modelled, measured)
+    assert "no committed measurement" in report.gate_default_no_regression(records, {})
+
+
 @pytest.fixture(scope="module")
 def h200_setup(sm90_results):
     return calibrate.setup_for(sm90_results[0][("mma", "sm_90")], shapes.GPUS["H200"])

@@ -1,8 +1,8 @@
 """Static performance model of the CUDA decode-attention and append kernels (a MODEL, not a measurement; its decode
 timing is calibrated against the committed GPU measurements, and a measurement always wins).
 
-Run from the repository root: `python -m tools.kernel_model [--out FILE] [--fail-if-default-not-memory-bound]
-[--fail-if-append-below-copy-bw] [--calibrate]` (README.md here: method, terms, constants, errors). Modules, imports
+Run from the repository root: `python -m tools.kernel_model [--out FILE] [--fail-if-default-regresses]
+[--fail-if-default-not-memory-bound] [--fail-if-append-below-copy-bw] [--calibrate]` (README.md here: method, terms, constants, errors). Modules, imports
 pointing down:
 
     __main__   the command line: analyze, predict, write the JSON records, print, gate

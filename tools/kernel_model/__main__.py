@@ -1,6 +1,7 @@
 """Static performance model of the CUDA decode-attention kernels (a MODEL, not a measurement).
 
-    python -m tools.kernel_model [--out benchmarks/results/kernel_model.json] [--fail-if-default-not-memory-bound]
+    python -m tools.kernel_model [--out benchmarks/results/kernel_model.json] [--fail-if-default-regresses]
+                                 [--fail-if-default-not-memory-bound] [--fail-if-append-below-copy-bw]
 
 CPU only. For each kernel of KERNELS (a declared per-kernel table) and each arch (sm_90, sm_80) it
 1. compiles a translation unit that explicitly instantiates just that decode kernel (nvcc -cubin -lineinfo,
@@ -37,7 +38,8 @@ from .append import APPEND_KERNELS, APPEND_MIN_FRACTION, append_records
 from .constants import FITTED, FITTED_ON
 from .kernels import KERNELS
 from .predict import build_records, calibration
-from .report import HEADLINE, gate_append, gate_default_memory_bound, markdown_table, read_verdict
+from .report import (HEADLINE, gate_append, gate_default_memory_bound, gate_default_no_regression, markdown_table,
+                     read_verdict)
 from .shapes import GPUS, ROOT
 from .split import SPLIT_KERNELS
 from .toolchain import ToolMissing
@@ -54,6 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="exit 1 when the default decode variant reads at < 80%% of the read ceiling at Llama-3-8B, "
                          "batch 8, 32K on H200 (measured where a committed measurement exists, else the calibrated "
                          "model)")
+    ap.add_argument("--fail-if-default-regresses", action="store_true",
+                    help="exit 1 when the default decode variant at Llama-3-8B, batch 8, 32K on H200 is slower than "
+                         "the measured baseline kernel (its own committed measurement where one exists, else the "
+                         "calibrated model): the CI gate; memory-boundness is a target reported by the verdict lines")
     ap.add_argument("--calibrate", action="store_true",
                     help="refit the timing model's constants to the measurements, hold shapes and models out, and "
                          f"write {calibrate.CALIBRATION_OUT.relative_to(ROOT)} (about a minute)")
@@ -119,6 +125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{'memory-bound' if ok else 'NOT memory-bound'}")
     if args.fail_if_append_below_copy_bw:
         why = gate_append(app)
+        if why:
+            print(f"kernel_model: FAIL: {why}", file=sys.stderr)
+            return 1
+    if args.fail_if_default_regresses:
+        why = gate_default_no_regression(records, measured)
         if why:
             print(f"kernel_model: FAIL: {why}", file=sys.stderr)
             return 1

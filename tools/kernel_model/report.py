@@ -50,6 +50,28 @@ def gate_default_memory_bound(records: list[dict], measured: dict[tuple, float] 
     return None if ok else f"default {why}; memory-bound needs >= {MEMORY_BOUND_FRACTION:.0%}"
 
 
+def gate_default_no_regression(records: list[dict], measured: dict[tuple, float] | None = None) -> str | None:
+    """The CI gate: None when the default decode variant at Llama-3-8B, batch 8, 32K on H200 is not slower than the
+    measured kernel ("baseline", the kernel the committed H200 timings are of) -- the default's committed measurement
+    where one exists, else its calibrated prediction, against the baseline's measurement -- else why not.
+    Memory-boundness (>= 80% of the read ceiling) is a target, judged by a GPU measurement and reported by the CLI's
+    verdict lines; a model alone never claims it, so it does not gate CI (--fail-if-default-not-memory-bound does)."""
+    hits = [r for r in records if r["default"] and (r["gpu"], r["model"], r["batch"], r["context"]) == HEADLINE]
+    if len(hits) != 1:
+        return f"expected one default-kernel record at H200 / llama-3-8b / batch 8 / 32K, found {len(hits)}"
+    r = hits[0]
+    base = (measured or {}).get((*HEADLINE, "baseline"))
+    if base is None:
+        return "no committed measurement of the baseline kernel at the headline shape to compare the default with"
+    own = (measured or {}).get((*HEADLINE, r.get("variant")))
+    us = own if own is not None else r["predicted_us"]
+    how = "measured" if own is not None else f"model ({r['timing']})"
+    if us > base:
+        return (f"default {r['kernel']!r} (variant {r.get('variant')}) at {us:.1f} us ({how}) is slower than the "
+                f"measured baseline kernel's {base:.1f} us at H200 / llama-3-8b / batch 8 / 32K")
+    return None
+
+
 def _us(x: float) -> str:
     return f"{x:,.0f}" if x >= 1000 else f"{x:.4g}"
 
