@@ -484,6 +484,34 @@ def test_fused_merge_with_a_dirty_workspace_and_graph_replays(lib, variant):
     assert_buffers_equal(pair.gpu, pair.ref, "after attention-only launches")
 
 
+@pytest.mark.parametrize("variant", [2, 5, 6], ids=["split", "split-1wave", "split-unfused"])
+@pytest.mark.parametrize("max_seq_len", [200, 0], ids=["one_split", "many_splits"])
+def test_non_finite_window_key_gives_nan(lib, variant, max_seq_len):
+    """A NaN in a window key that a sequence attends to gives NaN in the outputs of that KV head's query heads, as the
+    reference's (docs/design.md: never silently finite), whichever kernel divides by l: the CTA (one split), the
+    fused merge or the combine kernel; every other output finite and as the reference. CPU twin:
+    tests/test_kernels_mma_model.py::test_non_finite_window_key_gives_nan_not_zero."""
+    from trtllm_kivi.cuda.ops import kivi_attention_cuda_
+    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=32, block_size=128)
+    pair = Pair(cfg, 32, 8, 128, torch.float16, batch=2, mbs=4, seed=variant)
+    pair.fill_history([300, 40])
+    pair.ref.k_window[int(pair.slots[0]), 1, cfg.window_row(pair.lens[0] - 1), 5] = float("nan")
+    pair.gpu = KiviBuffers(*(t.cuda() for t in pair.ref))
+    q, k, v = pair.randn(2, 32, 128), pair.randn(2, 8, 128), pair.randn(2, 8, 128)
+    past, chunk = torch.tensor(pair.lens).int(), torch.ones(2, dtype=torch.int32)
+    want = kivi_attention_(q, k, v, pair.slots, past, chunk, pair.table, pair.ref, cfg)
+    out = torch.full((2, 32, 128), 7.0, dtype=torch.float16, device="cuda")
+    kivi_attention_cuda_(q.cuda(), k.cuda(), v.cuda(), pair.slots.cuda(), past.cuda(), chunk.cuda(),
+                         pair.table.cuda(), pair.gpu, cfg, max_chunk_len=1, max_seq_len=max_seq_len, out=out,
+                         decode_variant=variant)
+    torch.cuda.synchronize()
+    got = out.cpu()
+    assert torch.isnan(want[0, 4:8]).all() and torch.isnan(got[0, 4:8]).all()  # query heads 4..7 read KV head 1
+    nan_rows = torch.zeros(2, 32, dtype=torch.bool)
+    nan_rows[0, 4:8] = True
+    assert torch.isfinite(got[~nan_rows]).all()
+
+
 @pytest.mark.parametrize("gqa, dtype", [(4, torch.float16), (3, torch.bfloat16), (1, torch.float16)])
 def test_unhinted_chunk_bound_runs_both_kernels(lib, gqa, dtype):
     """The TensorRT plugin passes max_chunk_len = 0 (any chunk up to num_tokens): a decode batch of 40 then has a

@@ -248,3 +248,29 @@ def test_one_token_step_never_reads_the_row_the_decode_kernel_writes(sinks, r, s
         assert all(not torch.equal(control[b], clean[b]) for b in held)
         for b in range(batch):
             ref_append(buf, cfg, b, table[b], lens[b], k[b:b + 1].transpose(0, 1), v[b:b + 1].transpose(0, 1))
+
+
+@pytest.mark.parametrize("sms", [1, 1000])
+def test_non_finite_window_key_gives_nan_not_zero(sms):
+    """A NaN in a window key the step attends to makes that sequence's output NaN for the query heads of its KV head,
+    as the reference's (docs/design.md: non-finite inputs never become silently finite): the split kernel's final
+    division keeps a NaN l (it wrote 0 for any l that was not > 0). Other sequences and KV heads stay finite. One split
+    (sms = 1: the CTA divides) and many (the fused merge divides)."""
+    from trtllm_kivi.reference.attention import append as ref_append
+    cfg = KiviConfig(k_bits=2, v_bits=2, group_size=32, residual_length=32, block_size=64)
+    hist = [40, 300]
+    torch.manual_seed(1)
+    batch, h, hkv, d = len(hist), 8, 2, 64
+    buf = KiviBuffers.allocate(cfg, hkv, d, 64, batch, torch.float16)
+    table = torch.randperm(64)[: batch * 16].reshape(batch, 16).int()
+    for b, n in enumerate(hist):
+        ref_append(buf, cfg, b, table[b], 0, torch.randn(hkv, n, d).half(), torch.randn(hkv, n, d).half())
+    q, k, v = torch.randn(batch, h, d).half(), torch.randn(batch, hkv, d).half(), torch.randn(batch, hkv, d).half()
+    buf.k_window[0, 1, cfg.window_row(hist[0] - 1), 3] = float("nan")  # sequence 0, KV head 1, token s - 1: l NaN
+    ones = torch.ones(batch, dtype=torch.int32)
+    out, plan, flag = split_model.attention(q, k, v, torch.arange(batch).int(), torch.tensor(hist).int(), ones,
+                                            table, buf, cfg, max_chunk_len=1, num_sms=sms, decode_variant=SPLIT)
+    assert flag == 0 and (plan.num_splits > 1) == (sms > 1)
+    out = out.float().reshape(batch, h, d)
+    assert torch.isnan(out[0, 4:]).all()  # query heads 4..7 read KV head 1
+    assert torch.isfinite(out[0, :4]).all() and torch.isfinite(out[1]).all()

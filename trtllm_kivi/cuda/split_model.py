@@ -194,7 +194,8 @@ def fused_merge(ml: np.ndarray, part: np.ndarray) -> np.ndarray:
         wy = np.zeros((), np.float32) if ml[y, 0] == -np.inf else exp2(np.asarray(ml[y, 0] - mx, np.float32))
         lsum = fma(ml[y, 1], wy, lsum)
         o = fma(part[y], wy, o)
-    return f32(o / lsum) if lsum > 0 else np.zeros_like(o)
+    # l == 0: no key attended (a zero row); a NaN l (non-finite K/V or q) stays NaN, as the reference's
+    return f32(o / lsum) if lsum != 0 else np.zeros_like(o)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tensor, past_len: torch.Tensor,
@@ -246,7 +247,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_ids: torch
                 for n in np.nonzero(live)[0]:
                     t_, hd = tok + r_tok[n], h * grp + r_head[n]
                     if ns == 1:
-                        out[t_, hd] = f32(o[n] / lsum[n]) if lsum[n] > 0 else 0.0
+                        out[t_, hd] = f32(o[n] / lsum[n]) if lsum[n] != 0 else 0.0
                     else:
                         ml[t_, hd, split] = (m[n] if plan.fused_combine else np.float32(m[n] * LN2), lsum[n])
                         part[t_, hd, split] = o[n]

@@ -701,7 +701,9 @@ __global__ void __launch_bounds__(kSPLIT_THREADS, mmaMinCtas(kKB, kVB)) kiviDeco
         int64_t const head = wk.h * grp + row % grp;
         if (plan.numSplits == 1)
         {
-            out[(token * p.numHeads + head) * kD + ch] = ActTraits<T>::fromFloat(lsum > 0.F ? __fdiv_rn(o, lsum) : 0.F);
+            // l == 0: no key attended (a zero row); a NaN l (non-finite K/V or q) must stay NaN, as the reference's
+            // (docs/design.md: never silently finite); tests/test_kernels_mma_model.py non_finite test
+            out[(token * p.numHeads + head) * kD + ch] = ActTraits<T>::fromFloat(lsum == 0.F ? 0.F : __fdiv_rn(o, lsum));
         }
         else
         {
@@ -756,7 +758,7 @@ __global__ void __launch_bounds__(kSPLIT_THREADS, mmaMinCtas(kKB, kVB)) kiviDeco
             lsum = __fmaf_rn(__ldcg(partialMl + (idx0 + y) * 2 + 1), wy, lsum);
             o = __fmaf_rn(__ldcg(partialAcc + (idx0 + y) * kD + ch), wy, o);
         }
-        out[(token * p.numHeads + head) * kD + ch] = ActTraits<T>::fromFloat(lsum > 0.F ? __fdiv_rn(o, lsum) : 0.F);
+        out[(token * p.numHeads + head) * kD + ch] = ActTraits<T>::fromFloat(lsum == 0.F ? 0.F : __fdiv_rn(o, lsum));
     }
     if (threadIdx.x == 0)
     {
