@@ -29,6 +29,7 @@ from trtllm_kivi.bench import machine_info, portable_path  # noqa: E402
 from trtllm_kivi.eval import retrieval as rt  # noqa: E402
 from trtllm_kivi.eval.recipes import ResultCache, bits_per_element  # noqa: E402
 from trtllm_kivi.models import load_model, resolve_model  # noqa: E402
+from trtllm_kivi.models.loaders import load_metadata  # noqa: E402
 from trtllm_kivi.runtime.kvspec import parse_kv  # noqa: E402
 
 # KIVI's published GQA figure (arXiv 2402.02750, LongBench PassageRetrieval, Mistral-7B, 8 KV heads): FP16 89.3,
@@ -66,7 +67,11 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t_start = time.time()
-    model, tok, cfg = load_model(args.model, args.dtype)
+    if args.report_only:  # metadata only: the report needs the tokenizer (prompts) and the geometry
+        model = None
+        tok, cfg = load_metadata(args.model)
+    else:
+        model, tok, cfg = load_model(args.model, args.dtype)
     encode = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     depths = [float(x) for x in args.depths.split(",")]
     seeds = _ints(args.seeds)

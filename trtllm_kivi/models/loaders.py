@@ -371,5 +371,20 @@ def _read_gguf(path: Path, dtype: torch.dtype = torch.float32, use_sidecar: bool
     return cfg, sd, fields
 
 
+def load_metadata(name_or_path: str | Path) -> tuple[Tokenizer, ModelConfig]:
+    """The tokenizer and config of a model without its weights (what reports and prompt builders need)."""
+    path = resolve_model(name_or_path)
+    if path.is_file():
+        reader = _gguf_reader(path)
+        fields = _gguf_fields(reader)
+        embd = [t for t in reader.tensors if t.name == "token_embd.weight"]
+        cfg = config_from_gguf(fields, str(path), int(embd[0].shape[-1]) if embd else None)
+        cfg.tie_embeddings = not any(t.name == "output.weight" for t in reader.tensors)
+        return Tokenizer.from_gguf_fields(fields), cfg
+    conf = json.loads((path / "config.json").read_text())
+    cfg = config_from_hf(conf, str(path / "config.json"))
+    return Tokenizer.from_hf_folder(path, cfg.eos_token_ids), cfg
+
+
 def gguf_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer.from_gguf_fields(_gguf_fields(_gguf_reader(Path(path))))
