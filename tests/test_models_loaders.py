@@ -407,3 +407,16 @@ def test_dequantized_sidecar_loads_the_same_weights_and_follows_the_file(tmp_pat
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the GGUF changed: the sidecar is ignored
     assert _read_sidecar(path, torch.float32) is None
+
+
+def test_metadata_without_the_weights(tmp_path):
+    """load_metadata: the same tokenizer and geometry as load_model, for a GGUF file and a Hugging Face folder."""
+    from trtllm_kivi.models.loaders import load_metadata
+    from trtllm_kivi.models.tiny import write_tiny_checkpoint, write_tiny_gguf
+
+    for path in (write_tiny_gguf(tmp_path / "t.gguf"), write_tiny_checkpoint(tmp_path / "hf")):
+        tok, cfg = load_metadata(path)
+        _, tok2, cfg2 = load_model(path)
+        assert cfg.geometry == cfg2.geometry and cfg.qkv_bias == cfg2.qkv_bias
+        assert cfg.tie_embeddings == cfg2.tie_embeddings
+        assert tok.encode("hello there") == tok2.encode("hello there")
