@@ -170,6 +170,7 @@ class Offline:
         ttft = [r.first_token_time - r.arrival_time for r in reqs if r.first_token_time]
         return {"requests": len(reqs), "wall_s": round(wall, 3), "output_tokens": tokens,
                 "output_tokens_per_s": round(tokens / wall, 3), "steps": sched.steps - steps,
+                "s_per_step": round(wall / max(1, sched.steps - steps), 4),
                 "ttft_s_median": round(statistics.median(ttft), 3), "texts": [r.text for r in reqs]}
 
 
@@ -220,8 +221,8 @@ def triton_door(bodies: list[dict], clients: int, env_dir: str | None) -> dict:
             th.join()
         wall = time.perf_counter() - t
     finally:
-        proc.send_signal(2)
-        proc.wait(timeout=120)
+        proc.terminate()  # SIGTERM: the launcher stops the server (SIGINT is ignored in a background job)
+        proc.wait(timeout=180)
     ok = [r for r in results if r is not None and r.ok]
     tokens = sum(len(r.ids) for r in ok)
     ttft = [r.ttft for r in ok if r.ttft is not None]
@@ -258,6 +259,10 @@ class LlamaServer:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=60)
+
+
+def _steps(port: int) -> int:
+    return int(_metric(get("127.0.0.1", port, "/metrics")[1], "trtllm_kivi_scheduler_steps_total") or 0)
 
 
 def _texts(res: dict) -> list:
@@ -298,11 +303,15 @@ def part_throughput(args) -> dict:
             res = off.run(bodies)
             ref_texts[:] = res["texts"]
             record("offline_scheduler", res, res["texts"])
-            for c in args.clients:
+            for c in args.clients if "openai" in args.doors else []:
                 data = one if c == 1 else bodies
                 for name, port in (("serve", ours_proc.port), ("llama_server", llama.port if llama else None)):
                     if port:
+                        steps = _steps(port) if name == "serve" else None
                         res = run_clients("127.0.0.1", port, "/v1/chat/completions", data, c)
+                        if steps is not None:  # the server's model steps, to compare time per step with offline
+                            res["steps"] = _steps(port) - steps
+                            res["s_per_step"] = round(res["wall_s"] / max(1, res["steps"]), 4)
                         record(f"{name}_clients_{c}", res, _texts(res) if name == "serve" else [])
         result["serve_exit_code"] = ours_proc.stop()
     finally:
@@ -316,7 +325,8 @@ def part_throughput(args) -> dict:
     result["runs"], result["medians"] = runs, med
     top = max(args.clients)
     base = med["offline_scheduler"]["output_tokens_per_s"]
-    result["serve_over_offline"] = round(med[f"serve_clients_{top}"]["output_tokens_per_s"] / base, 3)
+    if f"serve_clients_{top}" in med:
+        result["serve_over_offline"] = round(med[f"serve_clients_{top}"]["output_tokens_per_s"] / base, 3)
     if llama:
         result["serve_over_llama_server"] = {
             f"clients_{c}": round(med[f"serve_clients_{c}"]["output_tokens_per_s"]
