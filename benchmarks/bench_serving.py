@@ -31,6 +31,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -182,7 +183,7 @@ def triton_door(bodies: list[dict], clients: int, env_dir: str | None) -> dict:
     from trtllm_kivi.serving.client import http_generate_stream
 
     tok = gguf_tokenizer(resolve_model(MODEL))
-    repo = Path(os.environ.get("TMPDIR", "/tmp")) / "bench_serving_triton"
+    repo = Path(tempfile.gettempdir()) / "bench_serving_triton"
     cmd = [sys.executable, "-m", "trtllm_kivi.cli", "triton", "--model", MODEL, "-o", str(repo / "repo"), "--force",
            "--launch", "--max-batch-size", str(SLOTS), "--max-seq-len", str(MAX_SEQ_LEN), "--threads", str(THREADS),
            *(["--triton-env", env_dir] if env_dir else [])]
