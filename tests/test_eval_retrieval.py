@@ -144,3 +144,17 @@ def test_summary_counts_and_names_failures():
     s = retrieval.summarize_cells(rows)
     assert (s["passed"], s["cells"], s["pass_rate"]) == (1, 2, 0.5)
     assert s["failed"] == ["8192/0.9/2: 1: 3"]
+
+
+def test_a_saved_stream_resumes_bit_for_bit(tiny, tmp_path):
+    model, enc, _ = tiny
+    cell, stream = _cell(enc)
+    a = PrefixPrefill(model, 1024, chunk=128)
+    a.extend_stream("passkey", stream, cell.shared)
+    a.save_stream(tmp_path / "s.pt")
+    b = PrefixPrefill(model, 1024, chunk=128)
+    assert not b.load_stream(tmp_path / "s.pt", "kv1")  # another stream's file is not used
+    assert b.load_stream(tmp_path / "s.pt", "passkey") and b.prefilled == cell.shared
+    for (ka, va), (kb, vb) in zip(a.kv(cell, stream), b.kv(cell, stream), strict=True):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    assert b.tokens_computed == len(cell.prompt) - 1 - cell.shared  # only the cell's own tokens were computed
