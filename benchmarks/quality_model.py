@@ -194,7 +194,8 @@ def main() -> int:
                             "criterion": {lv: vars(e) for lv, e in criteria.items()}},
               "backend": args.backend, "machine": machine_info(threads=torch.get_num_threads()),
               "command": "python benchmarks/quality_model.py " + " ".join(
-                  a for a in sys.argv[1:] if not a.startswith("--cache") and a != args.cache)}
+                  Path(a).name if a.startswith("/") else a for a in sys.argv[1:]
+                  if not a.startswith("--cache") and a != args.cache)}  # no machine paths in results
     title = (f"{cfg.name} ({Path(str(resolve_model(args.model))).name} dequantized to {args.dtype}; {geom.num_layers} layers, "
              f"{cfg.n_heads} query / {cfg.n_kv_heads} KV heads, head_dim {cfg.head_dim}), {setup.segments} segments "
              f"x {setup.segment_len} tokens of {text_info.get('text')} ({text_info.get('package', '')}), first "

@@ -147,7 +147,8 @@ def main() -> int:
                "kv": {n: s.describe() for n, s in (specs | dec_specs).items()}, "published": PUBLISHED,
                "machine": machine_info(threads=torch.get_num_threads()),
                "command": "python benchmarks/retrieval_model.py " + " ".join(
-                   a for a in sys.argv[1:] if not a.startswith(("--cache", "--report-only")) and a != args.cache)}
+                   Path(a).name if a.startswith("/") else a for a in sys.argv[1:]
+                   if not a.startswith(("--cache", "--report-only")) and a != args.cache)}  # no machine paths
     Path(f"{args.out}.json").write_text(json.dumps(report, indent=1) + "\n")
     Path(f"{args.out}.md").write_text(markdown(report))
     print(markdown(report))
