@@ -118,7 +118,7 @@ def llama(llama_dir: Path, gguf: Path, contexts: list[int], batches: list[int], 
                         res["runs"].append({"tool": "llama-batched-bench", "context": ctx, "batch": rec.get("pl"),
                                             "kv": kv, "tokens_per_s": rec.get("speed_tg"),
                                             "seconds": round(time.time() - t0),
-                                            "command": " ".join(["llama-batched-bench", "-m", gguf.name, *cmd[4:]])})
+                                            "command": " ".join(["llama-batched-bench", "-m", gguf.name, *cmd[3:]])})
                         log(f"llama-batched-bench ctx {ctx} {kv} batch {rec.get('pl')}: {rec.get('speed_tg')}")
                 if p.returncode:
                     res["runs"].append({"tool": "llama-batched-bench", "context": ctx, "kv": kv,
