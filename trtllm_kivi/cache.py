@@ -50,8 +50,11 @@ def check_kv_range(layer: int, k: torch.Tensor, v: torch.Tensor, store_dtype: to
     """Refuse K/V that would be stored as inf/NaN (KVRangeError naming the layer, the value and the fix) instead of
     letting them poison attention silently. A KIVI group stores zero = min and scale = (max - min) / (2^b - 1):
     with every |x| <= the dtype's max both stay finite for b >= 2, so one amax per layer and step is the check
-    (tests/test_kv_range.py)."""
-    if store_dtype == torch.float32 or k.numel() == 0:
+    (tests/test_kv_range.py). CPU tensors only: on a GPU the check would be a host synchronization per layer and
+    step, and impossible inside a captured CUDA graph (runtime/cuda_graph.py); there the kernels keep the format's
+    contract instead (an overflowing group's stored scale/zero is non-finite, so attention over it gives NaN, never
+    silently finite values), and `eval --recommend` chooses the scale dtype from the calibration's K/V range."""
+    if store_dtype == torch.float32 or k.numel() == 0 or k.device.type != "cpu":
         return
     limit = torch.finfo(store_dtype).max
     mk, mv = (torch.linalg.vector_norm(x.detach(), float("inf")).item() for x in (k, v))  # max |x|; NaN stays NaN
