@@ -4,6 +4,7 @@ workloads through the continuous-batching scheduler, and statistics with trtllm-
     token_norm_dist / from_text / read_dataset / write_jsonl   datasets (bench/dataset.py)
     run_workload(runner, requests, mode, ...)                  latency | throughput (bench/workload.py)
     memory_figures(runner, seq_len, kv_memory_gb)              KV bytes allocated vs FP16; max sequences in a budget
+    run_endpoint_workload(endpoint, model, requests, mode)     the same against an OpenAI server (bench/endpoint.py)
     benchmark_statistics / format_statistics / percentiles     trtllm-bench metrics (bench/metrics.py)
     machine_info / machine_tag / portable_path / git_commit    what a result file records (bench/machine.py)
 """

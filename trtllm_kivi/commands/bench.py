@@ -4,11 +4,13 @@
   trtllm-kivi bench prepare-dataset -o data.jsonl text --file corpus.txt --num-requests 16 --input-len 256 ...
   trtllm-kivi bench throughput --dataset data.jsonl --kv fp16,kivi2,kivi4 --report-json out.json
   trtllm-kivi bench latency --dataset data.jsonl --engine BUILD_DIR
+  trtllm-kivi bench throughput --dataset data.jsonl --openai-url http://127.0.0.1:8000   # a running server
 
 The dataset is trtllm-bench's JSON-lines format; the report uses trtllm-bench's metric names, plus the KV cache bytes
 really allocated next to the FP16 figure for the same shapes and the maximum concurrent sequences that fit
 --kv-memory-gb with FP16, FP8 and KIVI. Several --kv specs (comma-separated) run the same workload through the same
-model in one process, the first one being the baseline."""
+model in one process, the first one being the baseline. With --openai-url the same dataset goes to an
+OpenAI-compatible server (bench/endpoint.py) and the report names the endpoint and the model instead of a KV cache."""
 
 from __future__ import annotations
 
@@ -55,6 +57,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         src = m.add_mutually_exclusive_group()
         flags.add_model(src, ", run by the torch runner over each --kv")
         flags.add_engine(src, "a `trtllm-kivi build` folder (its own KV cache)")
+        src.add_argument("--openai-url", metavar="URL", help="benchmark a running OpenAI-compatible server instead "
+                         "(`trtllm-kivi serve`, llama-server, vLLM), e.g. http://127.0.0.1:8000: streamed POST "
+                         "/v1/completions with the dataset's token ids; the server's own settings apply")
+        m.add_argument("--openai-model", metavar="NAME", help="with --openai-url: the model to request (default: "
+                       "the first id of GET /v1/models)")
         flags.add_dtype(m, "float32")
         flags.add_device(m)
         flags.add_capacity(m, 8, None, 512, 128)
@@ -147,6 +154,10 @@ def _bench(args: argparse.Namespace) -> int:
     from ..bench.metrics import format_statistics
     from ..bench.workload import memory_figures, run_workload
 
+    if args.openai_url:
+        return _bench_endpoint(args)
+    if args.openai_model:
+        raise ValueError("--openai-model needs --openai-url")
     flags.set_threads(args.threads)
     tok = None
     with open(args.dataset) as f:
@@ -198,14 +209,72 @@ def _bench(args: argparse.Namespace) -> int:
                            "sampling": "greedy, EOS ignored (exactly output_tokens per request)"},
               "runs": runs}
     print(summary_table(report))
-    if args.report_json:
-        path = Path(args.report_json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2) + "\n")
-        tmp.replace(path)
-        print(f"wrote {path}")
+    _write_report(report, args.report_json)
     return 0
+
+
+def _bench_endpoint(args: argparse.Namespace) -> int:
+    """latency / throughput against --openai-url: the same dataset, metric names and repeats as a runner's."""
+    from ..bench import portable_path
+    from ..bench.dataset import read_dataset, summary
+    from ..bench.endpoint import Endpoint, EndpointError, accepts_ignore_eos, run_endpoint_workload, served_models
+    from ..bench.metrics import format_statistics
+
+    given = [f for f in ("kv", "kv_config") if getattr(args, f, None) is not None]
+    if given:
+        raise ValueError(f"--{given[0].replace('_', '-')} configures an in-process runner; with --openai-url the "
+                         "server's own KV cache applies")
+    ep = Endpoint.parse(args.openai_url)
+    reqs = read_dataset(args.dataset, None, num_requests=args.num_requests or None)
+    mode = args._mode
+    try:
+        model = args.openai_model or served_models(ep)[0]
+        ignore_eos = accepts_ignore_eos(ep, model, reqs[0])
+        if not ignore_eos:
+            print(f"{ep.url} refuses ignore_eos: requests may stop at EOS; output tokens are the server's usage",
+                  flush=True)
+        reps = []
+        for rep in range(args.repeats):
+            print(f"=== {mode} [{rep + 1}/{args.repeats}]: {ep.url}, model {model}", flush=True)
+            res = run_endpoint_workload(ep, model, reqs, mode, getattr(args, "concurrency", None),
+                                        args.warmup if rep == 0 else 0, ignore_eos)
+            reps.append(res)
+            print(format_statistics(res.statistics))
+    except EndpointError as e:
+        raise ValueError(str(e)) from None
+    order = sorted(range(len(reps)), key=lambda j: reps[j].statistics["performance"]["request_throughput_req_s"])
+    res = reps[order[(len(order) - 1) // 2]]
+    run = {"endpoint": ep.url, "model": model, **res.statistics,
+           "output_tokens": {"total": sum(res.completion_tokens.values()), "source": res.output_tokens_source,
+                             "requests_at_max_tokens": res.requests_at_max_tokens, "of": len(reqs)},
+           "repeats": [_headline(r.statistics) for r in reps]}
+    run["medians"] = {k: statistics.median(h[k] for h in run["repeats"]) for k in run["repeats"][0]}
+    sampling = ("temperature 0, ignore_eos (exactly output_tokens per request)" if ignore_eos else
+                "temperature 0; the server refuses ignore_eos: requests may stop at EOS, output tokens from usage")
+    report = {"tool": "trtllm-kivi bench", "mode": mode, "machine": _machine(), "endpoint": ep.url, "model": model,
+              "dataset": {"path": portable_path(args.dataset), **summary(reqs)},
+              "settings": {"repeats": args.repeats, "warmup": args.warmup,
+                           "concurrency": 1 if mode == "latency" else getattr(args, "concurrency", None),
+                           "streaming": True, "sampling": sampling, "ignore_eos": ignore_eos},
+              "runs": [run]}
+    med, out = run["medians"], run["output_tokens"]
+    print(f"--- {ep.url} ({model}), median of {len(reps)} repeat(s): {med['request_throughput_req_s']:.3f} req/s, "
+          f"{med['system_output_throughput_tok_s']:.2f} output tok/s, TTFT {med['avg_ttft_ms']:.0f} ms, "
+          f"TPOT {med['avg_tpot_ms']:.1f} ms; {out['total']} output tokens ({out['source']}), "
+          f"{out['requests_at_max_tokens']}/{out['of']} requests ran to output_tokens")
+    _write_report(report, args.report_json)
+    return 0
+
+
+def _write_report(report: dict, path_: str | None) -> None:
+    if not path_:
+        return
+    path = Path(path_)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(path)
+    print(f"wrote {path}")
 
 
 def _headline(stats: dict) -> dict:

@@ -27,6 +27,7 @@ class Reply:
     error: str | None = None
     sent: float = 0.0
     chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk that carried text
+    first_choice: float = 0.0  # arrival of the first chunk that carried a choice (a token, even one of no text)
     chunks: int = 0
     done: float = 0.0
 
@@ -77,6 +78,8 @@ def post(host: str, port: int, path: str, body: dict | bytes, stream: bool | Non
                 r.error = obj["error"].get("message")
                 break
             r.chunks += 1
+            if obj.get("choices") and not r.first_choice:
+                r.first_choice = time.perf_counter()
             if obj.get("usage"):
                 r.usage = obj["usage"]
             for c in obj.get("choices", []):
