@@ -109,7 +109,9 @@ def llama(llama_dir: Path, gguf: Path, contexts: list[int], batches: list[int], 
             if bs and batched:
                 cmd = [str(batched), "-m", str(gguf), "-c", str(ctx + steps * max(bs) + 64), "-npp", str(ctx),
                        "-ntg", str(steps), "-npl", ",".join(map(str, bs)), "-pps", "-t", str(threads),
-                       "-ctk", kv, "-ctv", kv, "-fa", "on", "--output-format", "jsonl"]
+                       "-ctk", kv, "-ctv", kv, "-fa", "on", "-kvu", "--output-format", "jsonl"]
+                # -kvu: one KV buffer for all sequences; without it each sequence gets n_ctx / batch cells, the
+                # shared prompt does not fit and the tool exits 0 having printed no row
                 t0 = time.time()
                 p = subprocess.run(cmd, capture_output=True, text=True)
                 for line in p.stdout.splitlines():
@@ -120,9 +122,9 @@ def llama(llama_dir: Path, gguf: Path, contexts: list[int], batches: list[int], 
                                             "seconds": round(time.time() - t0),
                                             "command": " ".join(["llama-batched-bench", "-m", gguf.name, *cmd[3:]])})
                         log(f"llama-batched-bench ctx {ctx} {kv} batch {rec.get('pl')}: {rec.get('speed_tg')}")
-                if p.returncode:
+                if p.returncode or not any(line.startswith("{") for line in p.stdout.splitlines()):
                     res["runs"].append({"tool": "llama-batched-bench", "context": ctx, "kv": kv,
-                                        "error": p.stderr[-600:]})
+                                        "error": f"exit {p.returncode}, no result row: {p.stderr[-600:]}"})
     if not bench:
         res["skipped"] = f"llama-bench not found under {llama_dir.name}/build/bin"
     ver = subprocess.run([str(bench or batched), "--version"], capture_output=True, text=True) if bench or batched \
@@ -163,10 +165,15 @@ def main() -> int:
         if args.llama_dir is None:
             doc["llama"] = {"skipped": "no --llama-dir (build llama.cpp as benchmarks/bench_llamacpp.py says)"}
         else:
-            doc["llama"] = llama(args.llama_dir, path, args.llama_contexts or args.contexts, args.batches,
-                                 args.steps, args.threads, args.llama_kv)
-    doc["command"] = "python benchmarks/speed_model.py " + " ".join(
-        a if "/" not in a else Path(a).name for a in sys.argv[1:])
+            new = llama(args.llama_dir, path, args.llama_contexts or args.contexts, args.batches,
+                        args.steps, args.threads, args.llama_kv)
+            # a part run again replaces only the cells it measured: (tool, context, cache type)
+            done = {(r.get("tool"), r.get("context"), r.get("kv")) for r in new["runs"]}
+            kept = [r for r in doc.get("llama", {}).get("runs", [])
+                    if (r.get("tool"), r.get("context"), r.get("kv")) not in done]
+            doc["llama"] = new | {"runs": kept + new["runs"]}
+    cmd = "python benchmarks/speed_model.py " + " ".join(a if "/" not in a else Path(a).name for a in sys.argv[1:])
+    doc["commands"] = [*doc.get("commands", []), cmd]  # every run that wrote into this file, in order
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     print(json.dumps(doc, indent=1))
     return 0
