@@ -40,8 +40,10 @@ from .suite import passkey_prompts
 
 KV_INTRO = "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n{\n"
 KV_PAIR = '"{key}": "{value}",\n'
-KV_QUESTION = '}}\n\nKey: "{key}"\nThe value associated with the specified key is:'
-KV_ANSWER = ' "{value}"'
+# The prompt ends with the value's opening quote so that the scored answer is the value itself: without it an
+# FP16 model that retrieves every value token can still lose the cell on the quote's spelling (' "' vs '"').
+KV_QUESTION = '}}\n\nKey: "{key}"\nThe value associated with the specified key is: "'
+KV_ANSWER = '{value}"'
 
 
 @dataclass
