@@ -192,11 +192,13 @@ def build(opts: BuildOptions, log: Callable[[str], None] = print, progress: bool
         graph = export_llama(model, opts.kivi, spec)
         import onnx
 
-        onnx.checker.check_model(graph, full_check=True)  # also runs strict shape inference
         bar.update()
 
         bar.set_postfix_str("write")
-        save_model(graph, str(tmp / ONNX_FILE))
+        save_model(graph, str(tmp / ONNX_FILE), keep_weights=False)
+        del graph  # the check reads the file; a 1.5B model's graph is 3.5 GB in float16
+        # by path: a graph over 2 GB cannot be checked in memory; also runs strict shape inference
+        onnx.checker.check_model(str(tmp / ONNX_FILE), full_check=True)
         write_tokenizer(tok, tmp)
         bar.update()
 
@@ -205,9 +207,10 @@ def build(opts: BuildOptions, log: Callable[[str], None] = print, progress: bool
             bar.set_postfix_str("onnxruntime check")
             from .check import check_graph
 
-            on_disk = onnx.load(str(tmp / ONNX_FILE))  # check what was written, external data included
-            res = check_graph(model, on_disk, info, check_prompts(tok, opts.kivi, spec, opts.check_steps),
-                              opts.check_steps, progress=bar.update)
+            # check what was written, external data included; the model is not needed after the check, so the
+            # reference rounds its weights in place (no second fp32 copy)
+            res = check_graph(model, tmp / ONNX_FILE, info, check_prompts(tok, opts.kivi, spec, opts.check_steps),
+                              opts.check_steps, progress=bar.update, reference_inplace=True)
             check = res.to_dict()
             if not res.passed:
                 raise RuntimeError(f"onnxruntime check failed: max |logit diff| {res.max_logit_diff:.3g}, "

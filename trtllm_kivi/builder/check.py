@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, dataclass
 from collections.abc import Callable
+from pathlib import Path
 
 import onnx
 import torch
@@ -72,28 +73,31 @@ def _diff_and_scale(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     return float((x.float() - y.float()).abs().max()), float(y.float().abs().max())
 
 
-def reference_model(model, dtype: str):
-    """The torch model with its weights rounded to the graph's dtype, in fp32."""
-    ref = copy.deepcopy(model).float()
+def reference_model(model, dtype: str, inplace: bool = False):
+    """The torch model with its weights rounded to the graph's dtype, in fp32 (`model` itself with inplace: a
+    1.5B model's fp32 copy is 7 GB)."""
+    ref = (model if inplace else copy.deepcopy(model)).float()
     with torch.no_grad():
         for p in ref.parameters():
             p.copy_(p.to(getattr(torch, dtype)).float())
     return ref
 
 
-def check_graph(model, graph: onnx.ModelProto, info: GraphInfo, prompts: list[list[int]], decode_steps: int = 64,
-                progress: Callable[[int], None] | None = None, threads: int | None = None) -> CheckResult:
+def check_graph(model, graph: onnx.ModelProto | str | Path, info: GraphInfo, prompts: list[list[int]],
+                decode_steps: int = 64, progress: Callable[[int], None] | None = None, threads: int | None = None,
+                reference_inplace: bool = False) -> CheckResult:
     """Run both runtimes over a prefill of `prompts` (one ragged step) plus `decode_steps` decode steps. Torch runs
-    single-threaded meanwhile: onnxruntime's threads and the Python op's torch calls would contend."""
+    single-threaded meanwhile: onnxruntime's threads and the Python op's torch calls would contend. With
+    reference_inplace the torch reference rounds `model`'s own weights (the caller's model is changed)."""
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _check(model, graph, info, prompts, decode_steps, progress, threads)
+        return _check(model, graph, info, prompts, decode_steps, progress, threads, reference_inplace)
     finally:
         torch.set_num_threads(torch_threads)
 
 
-def _check(model, graph, info, prompts, decode_steps, progress, threads) -> CheckResult:
+def _check(model, graph, info, prompts, decode_steps, progress, threads, reference_inplace) -> CheckResult:
     import time
 
     t0 = time.perf_counter()
@@ -103,7 +107,7 @@ def _check(model, graph, info, prompts, decode_steps, progress, threads) -> Chec
     longest = max(map(len, prompts)) + decode_steps
     if longest > ort.max_seq_len:
         raise ValueError(f"check needs {longest} tokens per sequence; the graph has max_seq_len={ort.max_seq_len}")
-    ref = reference_model(model, info.spec.dtype)
+    ref = reference_model(model, info.spec.dtype, inplace=reference_inplace)
     cache = KiviCache(info.kivi, info.geometry, ort.max_slots, ort.max_seq_len, dtype=torch.float32,
                       num_blocks=info.num_blocks)
     torch_runner = TorchRunner(ref, cache)

@@ -230,13 +230,14 @@ def export_llama(model, cfg: KiviConfig, spec: ExportSpec) -> onnx.ModelProto:
     return m
 
 
-def save_model(m: onnx.ModelProto, path: str, data_name: str | None = None) -> None:
+def save_model(m: onnx.ModelProto, path: str, data_name: str | None = None, keep_weights: bool = True) -> None:
     """Write the graph with its weights in one external-data file next to it (`<name>.data`). onnx moves the
-    weights out of `m` while saving; they are read back so `m` stays usable."""
+    weights out of `m` while saving; they are read back so `m` stays usable, unless keep_weights is False."""
     data_name = data_name or os.path.basename(path) + ".data"
     onnx.save_model(m, path, save_as_external_data=True, all_tensors_to_one_file=True, location=data_name,
                     size_threshold=1024)  # small constants (axes, shapes) stay inline for shape inference
-    onnx.load_external_data_for_model(m, os.path.dirname(os.path.abspath(path)))
+    if keep_weights:
+        onnx.load_external_data_for_model(m, os.path.dirname(os.path.abspath(path)))
 
 
 __all__ = ["SUPPORTED_DTYPES", "ONNX_DTYPES",

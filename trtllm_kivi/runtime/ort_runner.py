@@ -38,7 +38,8 @@ class OrtRunner(CacheRunner):
     cache: KiviCache
 
     def __init__(self, graph: str | Path | onnx.ModelProto, info: GraphInfo, threads: int | None = None) -> None:
-        m = graph if isinstance(graph, onnx.ModelProto) else onnx.load(str(graph))
+        # a path is read without its weights here; session() streams them (a 1.5B model's are 7 GB in float32)
+        m = graph if isinstance(graph, onnx.ModelProto) else onnx.load(str(graph), load_external_data=False)
         nodes = [n for n in m.graph.node if n.op_type == PLUGIN_NAME]
         if not nodes:
             raise ValueError(f"the graph has no {PLUGIN_NAME} node; is it a trtllm-kivi export?")
@@ -55,7 +56,7 @@ class OrtRunner(CacheRunner):
         self.cache = KiviCache(info.kivi, info.geometry, self.max_slots, self.max_seq_len, dtype=torch.float32,
                                num_blocks=info.num_blocks)
         self._cache_id = register_cache(self.cache.layers)
-        self.session = session(m, threads, self._cache_id)
+        self.session = session(m if isinstance(graph, onnx.ModelProto) else graph, threads, self._cache_id)
         self._outputs = [o.name for o in self.session.get_outputs()]
 
     def __del__(self) -> None:

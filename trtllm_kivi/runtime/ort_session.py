@@ -14,18 +14,28 @@ costs seconds per token. Instead the nodes become KiviAttentionInPlace(q, k, v, 
 block_table) -> (out, status) with `cache_id`/`layer` attributes: the op updates that layer's buffers of a cache
 registered with `register_cache` in place (what TensorRT does with aliased plugin I/O), and the past.*/present.*
 graph I/O is dropped. onnxruntime's I/O binding cannot avoid that copy: it happens inside the Python-op bridge.
+
+Large graphs: a protobuf message cannot exceed 2 GB, and the float32 copy of a 1.5B-parameter model is 7 GB. A graph
+given as a path (a build folder's model.onnx) is read without its weights, and when its float32 weights exceed
+INLINE_LIMIT they are converted one tensor at a time into an external-data file in a temporary folder that
+onnxruntime loads by path, so no step holds more than one tensor beyond what onnxruntime keeps
+(tests/test_runners_ort.py::test_external_weights_route_matches_inline guards that both routes give the same logits).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-from typing import TYPE_CHECKING
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, numpy_helper
+from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
 from ..format import BUFFER_NAMES
 from ..op import DOMAIN, FIELD_NAMES, OPSET, PLUGIN_NAME, cache_io_names, config_from_fields
@@ -38,6 +48,8 @@ ORT_DOMAIN = "ai.onnx.contrib"
 _FLOAT16S = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 ORT_SCALE_DTYPES = ("float16", "float32")  # what numpy (hence a runner's feeds) can hold
 _SCALE_BUFFERS = ("k_scale", "k_zero", "v_scale", "v_zero")
+# float32 weight bytes up to which the onnxruntime copy is serialized in memory (protobuf's limit is 2 GB)
+INLINE_LIMIT = 1 << 30
 _ONNX_SCALE_DTYPES = {"float16": TensorProto.FLOAT16, "float32": TensorProto.FLOAT}
 INPLACE_OP = PLUGIN_NAME + "InPlace"
 _CACHES: dict[int, list[KiviBuffers]] = {}  # cache_id -> every layer's buffers (register_cache)
@@ -133,9 +145,12 @@ def _kivi_attention_op(q, k, v, slot_ids, past_len, chunk_len, block_table, *buf
                            for n, b in zip(BUFFER_NAMES, bufs, strict=True)), np.zeros(1, np.int32))
 
 
-def ort_model(m: onnx.ModelProto, cache_id: int | None = None) -> onnx.ModelProto:
+def ort_model(m: onnx.ModelProto, cache_id: int | None = None, base_dir: str | None = None,
+              sink: BinaryIO | None = None, sink_name: str = "") -> onnx.ModelProto:
     """The onnxruntime copy of an exported graph (see the module docstring); `m` is not modified. With cache_id
-    (register_cache): the in-place form."""
+    (register_cache): the in-place form. Weights stored as external data are read from `base_dir`; with `sink` (a
+    file `sink_name` next to where the copy will be saved) every weight is written there in float32 instead of
+    into the copy."""
     m = copy.deepcopy(m)
     g = m.graph
     nodes = [n for n in g.node if n.op_type == PLUGIN_NAME and n.domain == DOMAIN]
@@ -155,8 +170,18 @@ def ort_model(m: onnx.ModelProto, cache_id: int | None = None) -> onnx.ModelProt
         if vi.name not in keep and vi.type.tensor_type.elem_type in _FLOAT16S:
             vi.type.tensor_type.elem_type = TensorProto.FLOAT
     for i, init in enumerate(g.initializer):
-        if init.data_type in _FLOAT16S:
-            g.initializer[i].CopyFrom(numpy_helper.from_array(_to_float32(init), init.name))
+        if uses_external_data(init):  # one tensor's data at a time
+            if base_dir is None:
+                raise ValueError(f"initializer {init.name} is external data: the graph's folder is needed")
+            load_external_data_for_tensor(init, base_dir)
+            init.data_location = TensorProto.DEFAULT
+            del init.external_data[:]
+        arr = _to_float32(init) if init.data_type in _FLOAT16S else None
+        if sink is not None and (arr is not None or init.data_type == TensorProto.FLOAT):
+            g.initializer[i].CopyFrom(_write_external(sink, sink_name, init.name,
+                                                      numpy_helper.to_array(init) if arr is None else arr))
+        elif arr is not None:
+            g.initializer[i].CopyFrom(numpy_helper.from_array(arr, init.name))
     for n in g.node:
         for a in n.attribute:
             if n.op_type == "Cast" and a.name == "to" and a.i in _FLOAT16S:
@@ -219,8 +244,33 @@ def _to_float32(init: TensorProto) -> np.ndarray:
     return numpy_helper.to_array(init).astype(np.float32)
 
 
-def session(m: onnx.ModelProto, threads: int | None = None, cache_id: int | None = None):
-    """An onnxruntime CPU session for an exported graph (converted with ort_model; in place with cache_id)."""
+def _write_external(f: BinaryIO, location: str, name: str, arr: np.ndarray) -> TensorProto:
+    """Append `arr` to the external-data file at a page-aligned offset (onnxruntime may map it); its reference."""
+    offset = -(-f.tell() // 4096) * 4096
+    f.seek(offset)
+    data = np.ascontiguousarray(arr)
+    f.write(data.data)  # no copy
+    out = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=list(arr.shape))
+    out.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", location), ("offset", str(offset)), ("length", str(data.nbytes))):
+        out.external_data.add(key=k, value=v)
+    return out
+
+
+def float32_weight_bytes(m: onnx.ModelProto) -> int:
+    """The bytes of the graph's floating-point weights once widened to float32 (from the dims: external data is
+    not read)."""
+    total = 0
+    for init in m.graph.initializer:
+        if init.data_type in _FLOAT16S + (TensorProto.FLOAT,):
+            total += 4 * int(np.prod(init.dims, dtype=np.int64))
+    return total
+
+
+def session(m: onnx.ModelProto | str | Path, threads: int | None = None, cache_id: int | None = None):
+    """An onnxruntime CPU session for an exported graph (converted with ort_model; in place with cache_id). A path
+    is read without its external weights; when they exceed INLINE_LIMIT in float32 the copy goes through a file
+    (see the module docstring)."""
     import onnxruntime as ort
     from onnxruntime_extensions import get_library_path
 
@@ -231,5 +281,17 @@ def session(m: onnx.ModelProto, threads: int | None = None, cache_id: int | None
         so.intra_op_num_threads = threads
     so.log_severity_level = 3
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle threads sleep: fair on shared CPUs
-    return ort.InferenceSession(ort_model(m, cache_id).SerializeToString(), so, providers=["CPUExecutionProvider"])
+    base_dir = None
+    if not isinstance(m, onnx.ModelProto):
+        base_dir = os.path.dirname(os.path.abspath(m))
+        m = onnx.load(str(m), load_external_data=False)
+    if float32_weight_bytes(m) <= INLINE_LIMIT:
+        return ort.InferenceSession(ort_model(m, cache_id, base_dir).SerializeToString(), so,
+                                    providers=["CPUExecutionProvider"])
+    with tempfile.TemporaryDirectory(prefix="trtllm-kivi-ort-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        with open(path.with_name("model.onnx.data"), "wb") as sink:
+            om = ort_model(m, cache_id, base_dir, sink, "model.onnx.data")
+        onnx.save_model(om, str(path))
+        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
