@@ -85,7 +85,7 @@ def main() -> int:
     streams = pk_streams | kv_streams
     cells = [c for c in pk + kvc if not args.max_length or c.length <= args.max_length]
     order = sorted(cells, key=lambda c: (seeds.index(c.seed), c.length, c.task, c.shared))
-    fingerprint = {"model": portable_path(resolve_model(args.model)), "dtype": args.dtype, "prompts": "v2",
+    fingerprint = {"model": portable_path(resolve_model(args.model)), "dtype": args.dtype, "prompts": "v3",
                    "backend": args.backend}
     cache = ResultCache(args.cache, fingerprint)
     stream_file = lambda sid: Path(f"{args.cache}.{sid}.pt")  # noqa: E731

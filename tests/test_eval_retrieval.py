@@ -57,7 +57,7 @@ def test_kv_cells_hold_many_pairs_and_ask_the_right_one(tiny):
         asked = text.rsplit('Key: "', 1)[1].split('"')[0]
         order = [line.split('"')[1] for line in text.split("{\n", 1)[1].split("}\n", 1)[0].splitlines()]
         assert order.index(asked) == round(c.depth * (pairs - 1))  # depth 0: first pair, 1: last
-        assert f'"{asked}": "{c.target}"' in text and tok.decode(c.answer) == f'{c.target}"'
+        assert f'"{asked}": "{c.target}"' in text and tok.decode(c.answer) == c.target
         assert text.endswith('is: "')  # the answer scored is the value, not the spelling of its opening quote
     assert text.count('": "') > 10
 

@@ -40,10 +40,11 @@ from .suite import passkey_prompts
 
 KV_INTRO = "Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n{\n"
 KV_PAIR = '"{key}": "{value}",\n'
-# The prompt ends with the value's opening quote so that the scored answer is the value itself: without it an
-# FP16 model that retrieves every value token can still lose the cell on the quote's spelling (' "' vs '"').
+# The scored answer is the value itself: the prompt ends with its opening quote and the closing one is not scored.
+# Otherwise an FP16 model that retrieves every value token still loses cells on the quotes' spelling (' "' vs '"'
+# before it; after it the JSON has '",\n', one token, which the model rightly prefers to '"').
 KV_QUESTION = '}}\n\nKey: "{key}"\nThe value associated with the specified key is: "'
-KV_ANSWER = '{value}"'
+KV_ANSWER = '{value}'
 
 
 @dataclass
