@@ -56,7 +56,8 @@ class OrtRunner(CacheRunner):
         self.cache = KiviCache(info.kivi, info.geometry, self.max_slots, self.max_seq_len, dtype=torch.float32,
                                num_blocks=info.num_blocks)
         self._cache_id = register_cache(self.cache.layers)
-        self.session = session(m if isinstance(graph, onnx.ModelProto) else graph, threads, self._cache_id)
+        base_dir = None if isinstance(graph, onnx.ModelProto) else str(Path(graph).resolve().parent)
+        self.session = session(m, threads, self._cache_id, base_dir)
         self._outputs = [o.name for o in self.session.get_outputs()]
 
     def __del__(self) -> None:

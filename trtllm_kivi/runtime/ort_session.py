@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -251,7 +250,7 @@ def _write_external(f: BinaryIO, location: str, name: str, arr: np.ndarray) -> T
     data = np.ascontiguousarray(arr)
     f.write(data.data)  # no copy
     out = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=list(arr.shape))
-    out.data_location = TensorProto.EXTERNAL
+    out.data_location = TensorProto.EXTERNAL  # onnx's set_external_data wants the bytes in raw_data: not here
     for k, v in (("location", location), ("offset", str(offset)), ("length", str(data.nbytes))):
         out.external_data.add(key=k, value=v)
     return out
@@ -267,10 +266,11 @@ def float32_weight_bytes(m: onnx.ModelProto) -> int:
     return total
 
 
-def session(m: onnx.ModelProto | str | Path, threads: int | None = None, cache_id: int | None = None):
-    """An onnxruntime CPU session for an exported graph (converted with ort_model; in place with cache_id). A path
-    is read without its external weights; when they exceed INLINE_LIMIT in float32 the copy goes through a file
-    (see the module docstring)."""
+def session(m: onnx.ModelProto, threads: int | None = None, cache_id: int | None = None,
+            base_dir: str | None = None):
+    """An onnxruntime CPU session for an exported graph (converted with ort_model; in place with cache_id). Weights
+    stored as external data are read from `base_dir`; when they exceed INLINE_LIMIT in float32 the copy goes
+    through a file (see the module docstring)."""
     import onnxruntime as ort
     from onnxruntime_extensions import get_library_path
 
@@ -281,10 +281,6 @@ def session(m: onnx.ModelProto | str | Path, threads: int | None = None, cache_i
         so.intra_op_num_threads = threads
     so.log_severity_level = 3
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle threads sleep: fair on shared CPUs
-    base_dir = None
-    if not isinstance(m, onnx.ModelProto):
-        base_dir = os.path.dirname(os.path.abspath(m))
-        m = onnx.load(str(m), load_external_data=False)
     if float32_weight_bytes(m) <= INLINE_LIMIT:
         return ort.InferenceSession(ort_model(m, cache_id, base_dir).SerializeToString(), so,
                                     providers=["CPUExecutionProvider"])
